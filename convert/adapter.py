@@ -1,0 +1,314 @@
+"""A PEFT LoRA adapter directory normalized into per-module deltas.
+
+For each target module: ``A [r, in]``, ``B [out, r]`` and PEFT's effective scale (``alpha / r``, or
+``alpha / sqrt(r)`` with rsLoRA; ``rank_pattern`` / ``alpha_pattern`` override per module with PEFT's
+key-suffix rule). DoRA magnitudes, ``modules_to_save`` replacements, embedding LoRA and
+``fan_in_fan_out`` are kept. Every config flag is honoured, ignored because it only affects training,
+or refused with a reason: see ``CONFIG_KEYS``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .safetensors_file import SafetensorsFile
+
+PEFT_PREFIX = "base_model.model."
+_INIT_CHANGES_BASE = ("pissa", "olora", "corda", "loftq")
+
+
+def _init_refusal(v: object) -> str:
+    if isinstance(v, str) and v.lower().startswith(_INIT_CHANGES_BASE):
+        return (
+            f"init_lora_weights={v!r} changes the base weights when PEFT loads the adapter; convert it to a "
+            "plain LoRA with PEFT's save_pretrained(path_initial_model_for_weight_conversion=...)"
+        )
+    return ""
+
+
+def _set(reason: str) -> Callable[[object], str]:
+    """A refusal that applies when the option is set (not None/False/empty)."""
+    return lambda v: reason if v not in (None, False, {}, [], "", 0) else ""
+
+
+# How each adapter_config.json key is treated. "honoured" keys are applied by the reader or merge;
+# "training" keys change nothing at inference; a callable returns a refusal reason ("" = fine).
+CONFIG_KEYS: dict[str, str | Callable[[object], str]] = {
+    **dict.fromkeys(
+        ["r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "use_dora", "modules_to_save",
+         "fan_in_fan_out", "bias", "lora_bias", "target_modules", "exclude_modules", "layers_to_transform",
+         "layers_pattern", "ensure_weight_tying"],
+        "honoured",
+    ),
+    **dict.fromkeys(
+        ["lora_dropout", "inference_mode", "task_type", "base_model_name_or_path", "revision", "auto_mapping",
+         "peft_version", "megatron_core", "qalora_group_size", "runtime_config", "eva_config",
+         "lora_ga_config", "modules_to_tie", "target_modules_to_tie"],
+        "training",
+    ),
+    "peft_type": lambda v: "" if str(v).upper() == "LORA" else f"peft_type={v!r}: only LoRA adapters are supported",
+    "init_lora_weights": _init_refusal,
+    "loftq_config": _set("LoftQ adapters expect the LoftQ-quantized base, not the original weights"),
+    "corda_config": lambda v: "",  # only meaningful with init_lora_weights='corda', refused there
+    "alora_invocation_tokens": _set("Activated LoRA (aLoRA) applies only after its invocation tokens; "
+                                    "a merged or exported copy would apply it everywhere"),
+    "layer_replication": _set("layer_replication changes the model's layer structure"),
+    "use_bdlora": _set("block-diagonal LoRA (BD-LoRA) is not supported"),
+    "use_qalora": _set("QALoRA adapters belong to a quantized base"),
+    "target_parameters": _set("LoRA on raw parameters (target_parameters, e.g. MoE experts) is not supported yet"),
+    "megatron_config": _set("Megatron-parallel LoRA layers are not supported"),
+    "trainable_token_indices": _set("trainable tokens (trainable_token_indices) are not supported yet: "
+                                    "merge with PEFT's merge_and_unload() first"),
+    "velora_config": _set("VeLoRA is not supported"),
+    "monteclora_config": _set("MonteCLoRA is not supported"),
+    "kasa_config": _set("KaSA is not supported"),
+    "arrow_config": _set("Arrow routing between several LoRAs is not supported"),
+}
+
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"(?:\.[A-Za-z0-9_]+)??(?:\.(?P<param>weight|bias))?$"
+)
+_FULL_KEY = re.compile(
+    r"^(?P<module>.+?)(?:\.(?P<wrap>modules_to_save|original_module|base_layer)(?:\.[A-Za-z0-9_]+)??)?"
+    r"\.(?P<param>weight|bias)$"
+)
+
+
+def pattern_value(patterns: dict, module: str):
+    """PEFT's ``get_pattern_key``: the first key that matches a dot-bounded suffix of ``module``."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return None
+
+
+@dataclass
+class LoraModule:
+    """One adapted module: ``delta = scale * B @ A`` shaped like the base weight."""
+
+    module: str  # HF module path, e.g. "model.layers.0.self_attn.q_proj"
+    kind: str  # "linear" or "embedding"
+    A: torch.Tensor
+    B: torch.Tensor
+    rank: int
+    alpha: float
+    scale: float
+    magnitude: torch.Tensor | None = None  # DoRA
+    bias: torch.Tensor | None = None  # lora_bias: lora_B's bias
+    fan_in_fan_out: bool = False
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.weight"
+
+    def delta(self) -> torch.Tensor:
+        """``scale * B @ A`` in fp32, in the base weight's layout."""
+        d = (self.B.float() * self.scale) @ self.A.float()
+        if self.kind == "embedding" or self.fan_in_fan_out:
+            d = d.T
+        return d
+
+    def base_shape(self) -> tuple[int, ...]:
+        out, inp = self.B.shape[0], self.A.shape[1]
+        return (inp, out) if (self.kind == "embedding" or self.fan_in_fan_out) else (out, inp)
+
+
+@dataclass
+class Adapter:
+    path: Path
+    name: str
+    config: dict
+    modules: dict[str, LoraModule] = field(default_factory=dict)  # by target tensor name
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensors by base tensor name
+    # why each replacement is there: "modules_to_save", "base_layer" (a saved embedding layer) or "bias"
+    replacement_origin: dict[str, str] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    file: Path | None = None
+
+    @property
+    def use_dora(self) -> bool:
+        return any(m.magnitude is not None for m in self.modules.values())
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({m.rank for m in self.modules.values()})
+
+    @property
+    def target_suffixes(self) -> list[str]:
+        return sorted({m.module.rsplit(".", 1)[-1] for m in self.modules.values()})
+
+    @property
+    def modules_to_save(self) -> list[str]:
+        return list(self.config.get("modules_to_save") or [])
+
+    def flags(self) -> dict[str, object]:
+        c = self.config
+        return {
+            "use_rslora": bool(c.get("use_rslora")),
+            "use_dora": bool(c.get("use_dora")),
+            "rank_pattern": dict(c.get("rank_pattern") or {}),
+            "alpha_pattern": dict(c.get("alpha_pattern") or {}),
+            "modules_to_save": self.modules_to_save,
+            "fan_in_fan_out": bool(c.get("fan_in_fan_out")),
+            "bias": c.get("bias", "none"),
+            "lora_bias": bool(c.get("lora_bias")),
+            "layers_to_transform": c.get("layers_to_transform"),
+            "embedding_lora": any(m.kind == "embedding" for m in self.modules.values()),
+            "target_modules_regex": isinstance(c.get("target_modules"), str)
+            and c.get("target_modules") != "all-linear",
+        }
+
+
+def read_adapter_config(path: Path) -> dict:
+    cfg_path = path / "adapter_config.json"
+    if not cfg_path.exists():
+        raise UserError(
+            f"{path} has no adapter_config.json",
+            "pass the directory PEFT's save_pretrained() wrote (it holds adapter_config.json and the weights)",
+        )
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise UserError(f"{cfg_path} is not valid JSON ({e})", "repair or re-save the adapter") from e
+    return cfg
+
+
+def config_refusals(cfg: dict) -> list[str]:
+    """Every reason tuneport cannot apply this adapter config faithfully."""
+    problems = []
+    for key, value in cfg.items():
+        rule = CONFIG_KEYS.get(key)
+        if rule is None:
+            if value not in (None, False, {}, [], ""):
+                problems.append(f"unknown PEFT option {key}={value!r}; tuneport does not know how to apply it")
+        elif callable(rule):
+            if reason := rule(value):
+                problems.append(reason)
+    for key in ("r", "lora_alpha"):
+        if key not in cfg:
+            problems.append(f"adapter_config.json lacks '{key}'")
+    return problems
+
+
+def _load_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], Path]:
+    st = path / "adapter_model.safetensors"
+    if st.exists():
+        sf = SafetensorsFile(st)
+        return {name: sf.read(name) for name in sf.tensors}, st
+    for name in ("adapter_model.bin", "adapter_model.pt"):
+        p = path / name
+        if p.exists():
+            if not allow_pickle:
+                raise UserError(
+                    f"{path} only has pickle weights ({name})",
+                    "pickle files can run code when loaded; pass --allow-pickle if you trust them",
+                )
+            try:
+                return dict(torch.load(p, map_location="cpu", weights_only=True)), p
+            except Exception as e:
+                raise UserError(f"cannot load {p} with weights_only=True ({type(e).__name__})",
+                                "re-save the adapter with safetensors") from e
+    raise UserError(f"{path} has no adapter_model.safetensors", "pass a complete PEFT adapter directory")
+
+
+def load_adapter(path: str | Path, name: str | None = None, allow_pickle: bool = False) -> Adapter:
+    """Read and normalize a PEFT adapter directory; refuse what cannot be applied faithfully."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserError(f"adapter {path} does not exist or is not a directory", "pass a PEFT adapter directory")
+    cfg = read_adapter_config(path)
+    problems = config_refusals(cfg)
+    if problems:
+        raise UserError(f"cannot apply adapter {path}: " + "; ".join(problems), "")
+    tensors, file = _load_tensors(path, allow_pickle)
+    for key, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise UserError(
+                f"adapter {path} has NaN or Inf values in {key}",
+                "training diverged: use an earlier checkpoint or lower the learning rate",
+            )
+    adapter = Adapter(path=path, name=name or path.name, config=cfg, file=file)
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    adapter.dtype = floats[0] if floats else torch.float32
+    _parse_tensors(adapter, tensors)
+    return adapter
+
+
+def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
+    cfg = adapter.config
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    wrapped: dict[str, dict[str, torch.Tensor]] = {}  # module -> {wrap.param: tensor}
+    unknown = []
+    for key, t in tensors.items():
+        k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if m := _LORA_KEY.match(k):
+            part = m["part"] + (".bias" if m["param"] == "bias" else "")
+            parts.setdefault(m["module"], {})[part] = t
+        elif m := _FULL_KEY.match(k):
+            wrapped.setdefault(m["module"], {})[f"{m['wrap'] or 'plain'}.{m['param']}"] = t
+        else:
+            unknown.append(key)
+    if unknown:
+        raise UserError(f"adapter {adapter.path} has tensors tuneport does not recognise: {unknown[:3]}",
+                        "only LoRA adapters saved by PEFT are supported")
+
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    rslora, fifo = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    for module, p in parts.items():
+        kind = "embedding" if "lora_embedding_A" in p or "lora_embedding_B" in p else "linear"
+        a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if kind == "embedding" else ("lora_A", "lora_B")
+        if a_key not in p or b_key not in p:
+            raise UserError(f"adapter {adapter.path}: module {module} lacks {a_key} or {b_key}",
+                            "the adapter file is incomplete: re-save it")
+        A, B = p[a_key], p[b_key]
+        rank = A.shape[0]
+        if B.shape[-1] != rank:
+            raise UserError(f"adapter {adapter.path}: {module} has A rank {rank} but B {list(B.shape)}",
+                            "the adapter file is corrupt: re-save it")
+        expected_rank = pattern_value(rank_pattern, module) or r
+        if int(expected_rank) != rank:
+            raise UserError(f"adapter {adapter.path}: {module} has rank {rank}, config says {expected_rank}",
+                            "adapter_config.json does not belong to these weights")
+        mod_alpha = float(pattern_value(alpha_pattern, module) or alpha)
+        scale = mod_alpha / math.sqrt(rank) if rslora else mod_alpha / rank
+        magnitude = p.get("lora_magnitude_vector")
+        if magnitude is not None and kind == "embedding":
+            raise UserError(f"adapter {adapter.path}: DoRA on embedding {module} is not supported", "")
+        adapter.modules[f"{module}.weight"] = LoraModule(
+            module=module, kind=kind, A=A, B=B, rank=rank, alpha=mod_alpha, scale=scale,
+            magnitude=magnitude.reshape(-1) if magnitude is not None else None,
+            bias=p.get("lora_B.bias"), fan_in_fan_out=fifo and kind == "linear",
+        )
+    if cfg.get("use_dora") and not adapter.use_dora:
+        raise UserError(f"adapter {adapter.path} says use_dora but has no lora_magnitude_vector",
+                        "the adapter file is incomplete: re-save it")
+
+    # Full tensors: a trained modules_to_save copy wins; otherwise a saved base layer (PEFT stores the
+    # embedding layers it was trained over, resized ones included) or a trained bias replaces the base.
+    for module, ts in wrapped.items():
+        for param in ("weight", "bias"):
+            for wrap, origin in (("modules_to_save", "modules_to_save"), ("plain", "plain"),
+                                 ("base_layer", "base_layer")):
+                t = ts.get(f"{wrap}.{param}")
+                if t is not None:
+                    break
+            if t is None:
+                continue
+            if origin == "plain":
+                leaf = module.rsplit(".", 1)[-1]
+                origin = "modules_to_save" if leaf in adapter.modules_to_save else (
+                    "bias" if param == "bias" else "base_layer")
+            adapter.replacements[f"{module}.{param}"] = t
+            adapter.replacement_origin[f"{module}.{param}"] = origin

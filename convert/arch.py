@@ -1,0 +1,78 @@
+"""Architecture knowledge as data: one entry per Hugging Face ``model_type``.
+
+Adding an architecture means adding an entry here (and a tiny model + test in ``toolkit.tiny``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import UserError
+
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What tuneport knows about one architecture."""
+
+    model_type: str
+    hf_classes: tuple[str, ...]
+    gguf_arch: str
+    # "normal": llama-family RoPE, needs the q/k row permutation in GGUF; "neox": no permutation.
+    rope_style: str
+    embed: str = "model.embed_tokens"
+    lm_head: str = "lm_head"
+    final_norm: str = "model.norm"
+    layer_prefix: str = "model.layers"
+    linear_modules: tuple[str, ...] = LLAMA_LINEARS
+    # Module suffixes each engine accepts a LoRA on (read from the engine's own model classes).
+    vllm_lora_modules: tuple[str, ...] = LLAMA_LINEARS
+    llamacpp_lora_modules: tuple[str, ...] = LLAMA_LINEARS
+    exl3_loads_lora: bool = False  # ExLlamaV3 (TabbyAPI) loads no LoRA: merge first
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def embedding_modules(self) -> tuple[str, ...]:
+        return (self.embed.rsplit(".", 1)[-1], self.lm_head.rsplit(".", 1)[-1])
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        "llama",
+        ("LlamaForCausalLM",),
+        gguf_arch="llama",
+        rope_style="normal",
+        # vLLM's LlamaForCausalLM declares embedding_modules {embed_tokens, lm_head}.
+        vllm_lora_modules=LLAMA_LINEARS + ("embed_tokens", "lm_head"),
+    ),
+    "mistral": ArchSpec(
+        "mistral",
+        ("MistralForCausalLM",),
+        gguf_arch="llama",
+        rope_style="normal",
+        notes=("vLLM: 'We don't support LoRA on the embedding layers' for Mistral",),
+    ),
+    "qwen2": ArchSpec(
+        "qwen2",
+        ("Qwen2ForCausalLM",),
+        gguf_arch="qwen2",
+        rope_style="neox",
+        notes=("q/k/v projections carry biases",),
+    ),
+}
+
+
+def arch_for(model_type: str | None) -> ArchSpec:
+    """The entry for ``model_type``, or a UserError that lists the supported ones."""
+    try:
+        return ARCHS[str(model_type)]
+    except KeyError:
+        raise UserError(
+            f"unsupported architecture {model_type!r}",
+            f"tuneport supports: {', '.join(sorted(ARCHS))}",
+        ) from None
+
+
+def known_arch(model_type: str | None) -> ArchSpec | None:
+    return ARCHS.get(str(model_type))

@@ -1,0 +1,215 @@
+"""A lazy view of a Hugging Face model directory (or hub id): config, tokenizer files, and tensors
+read one at a time from (sharded) safetensors.
+
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused unless ``allow_pickle``; then they are loaded
+with ``torch.load(weights_only=True)``, one file at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .arch import ArchSpec, known_arch
+from .errors import UserError
+from .io import sha256_file
+from .safetensors_file import SafetensorsFile
+
+# Files that travel with a model: everything a tokenizer or generation needs.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def resolve_model_path(spec: str | Path, allow_pickle: bool = False) -> Path:
+    """A local directory as is; otherwise a hub id through ``huggingface_hub`` (honours HF_HUB_OFFLINE)."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if not _HUB_ID.match(str(spec)):
+        raise UserError(f"{spec} does not exist", "pass a model directory or a Hugging Face hub id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+        if allow_pickle:
+            patterns += ["*.bin", "*.pt"]
+        return Path(snapshot_download(str(spec), allow_patterns=patterns))
+    except Exception as e:  # network, auth, offline mode, unknown repo
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = (
+            "HF_HUB_OFFLINE is set and the model is not in the local cache: download it first or unset it"
+            if offline
+            else "check the id, your network and HF_TOKEN, or pass a local directory"
+        )
+        raise UserError(f"cannot fetch {spec} from the Hugging Face hub ({type(e).__name__})", hint) from e
+
+
+class Checkpoint:
+    """Config + tokenizer files + an index of which file holds which tensor. Nothing is read eagerly."""
+
+    def __init__(self, spec: str | Path, allow_pickle: bool = False) -> None:
+        self.spec = str(spec)
+        self.path = resolve_model_path(spec, allow_pickle)
+        self.allow_pickle = allow_pickle
+        if not self.path.is_dir():
+            raise UserError(f"{self.path} is not a directory", "pass the model's directory")
+        cfg_path = self.path / "config.json"
+        if not cfg_path.exists():
+            raise UserError(f"{self.path} has no config.json", "pass a Hugging Face model directory")
+        try:
+            self.config: dict = json.loads(cfg_path.read_text())
+        except ValueError as e:
+            raise UserError(f"{cfg_path} is not valid JSON ({e})", "repair or re-download config.json") from e
+        self.model_type: str = self.config.get("model_type", "")
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, str] = {}
+        self._pickle_cache: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._metas: dict[str, TensorMeta] = {}
+        self._index_weights()
+
+    # -- discovery ---------------------------------------------------------------------------
+    def _index_weights(self) -> None:
+        st = sorted(self.path.glob("*.safetensors"))
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise UserError(f"{index} is not a valid index ({e})", "repair or re-download it") from e
+            shard_names = sorted(set(weight_map.values()))
+            missing = [s for s in shard_names if not (self.path / s).exists()]
+            if missing:
+                raise UserError(f"{self.path} lacks shard(s) {', '.join(missing)}", "download the missing shards")
+            st = [self.path / s for s in shard_names]
+        if st:
+            self.format = "safetensors"
+            for f in st:
+                sf = SafetensorsFile(f)
+                self._files[f.name] = sf
+                for info in sorted(sf.tensors.values(), key=lambda t: t.start):
+                    self._where[info.name] = f.name
+                    self._metas[info.name] = TensorMeta(info.name, info.dtype, info.shape)
+            return
+        pickles = sorted(p for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if not pickles:
+            raise UserError(f"{self.path} holds no weights (*.safetensors)", "pass a complete model directory")
+        if not self.allow_pickle:
+            raise UserError(
+                f"{self.path} only has pickle weights ({pickles[0].name})",
+                "pickle files can run code when loaded; pass --allow-pickle if you trust them "
+                "(loaded with torch.load(weights_only=True)), or convert them to safetensors",
+            )
+        self.format = "pickle"
+        for p in pickles:
+            for name, t in self._load_pickle(p).items():
+                self._where[name] = p.name
+                self._metas[name] = TensorMeta(name, t.dtype, tuple(t.shape))
+
+    def _load_pickle(self, p: Path) -> dict[str, torch.Tensor]:
+        if self._pickle_cache and self._pickle_cache[0] == p.name:
+            return self._pickle_cache[1]
+        try:
+            sd = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise UserError(f"cannot load {p} with weights_only=True ({type(e).__name__})",
+                            "the file holds more than tensors; convert it to safetensors") from e
+        if not isinstance(sd, dict):
+            raise UserError(f"{p} does not hold a state dict", "convert it to safetensors")
+        self._pickle_cache = (p.name, sd)
+        return sd
+
+    # -- tensors -----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Tensor names in storage order (file by file, offset by offset)."""
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def meta(self, name: str) -> TensorMeta:
+        return self._metas[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        fname = self._where[name]
+        if self.format == "safetensors":
+            return self._files[fname].read(name)
+        return self._load_pickle(self.path / fname)[name].clone()
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return [self.path / f for f in dict.fromkeys(self._where.values())]
+
+    def side_files(self) -> list[Path]:
+        return [self.path / f for f in SIDE_FILES if (self.path / f).exists()]
+
+    # -- summary -----------------------------------------------------------------------------
+    @property
+    def arch(self) -> ArchSpec | None:
+        return known_arch(self.model_type)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(m.numel for m in self._metas.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.weight_files)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype that holds most parameters among floating tensors."""
+        count: Counter[torch.dtype] = Counter()
+        for m in self._metas.values():
+            if m.dtype.is_floating_point:
+                count[m.dtype] += m.numel
+        return count.most_common(1)[0][0] if count else torch.float32
+
+    @property
+    def tied_embeddings(self) -> bool:
+        tied = self.config.get("tie_word_embeddings", True)
+        arch = self.arch
+        lm_head = f"{arch.lm_head}.weight" if arch else "lm_head.weight"
+        return bool(tied) and lm_head not in self._where
+
+    @property
+    def quantization(self) -> dict | None:
+        return self.config.get("quantization_config")
+
+
+def checkpoint_sha256(ckpt: Checkpoint) -> dict[str, str]:
+    """sha256 of each weight file (free for safetensors files whose tensors were all read in order)."""
+    out = {}
+    for f in ckpt.weight_files:
+        sf = ckpt._files.get(f.name)
+        out[f.name] = sf.sha256() if sf else sha256_file(f)
+    return out

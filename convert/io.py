@@ -1,0 +1,261 @@
+"""Atomic output, sha256 of files, and a streaming sharded safetensors writer."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+# safetensors dtype names <-> torch dtypes
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+TMP_PREFIX = ".tuneport-tmp-"
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+_HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuneport-sha256")
+atexit.register(_HASH_POOL.shutdown, wait=False)
+
+
+class OrderedHasher:
+    """sha256 of bytes fed in file order, computed on a background thread (hashlib releases the GIL),
+    so hashing what is read or written anyway costs no extra I/O and little wall time."""
+
+    MAX_PENDING_BYTES = 256 << 20  # bound what waits to be hashed (it stays in memory until then)
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._pending: deque[tuple[Future, int]] = deque()
+        self._pending_bytes = 0
+        self.pos = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        self.pos += len(data)
+        while self._pending and self._pending_bytes + len(data) > self.MAX_PENDING_BYTES:
+            fut, n = self._pending.popleft()
+            fut.result()
+            self._pending_bytes -= n
+        self._pending.append((_HASH_POOL.submit(self._h.update, data), len(data)))
+        self._pending_bytes += len(data)
+
+    def hexdigest(self) -> str:
+        while self._pending:
+            self._pending.popleft()[0].result()
+        self._pending_bytes = 0
+        return self._h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_output_path(out: Path, force: bool) -> None:
+    """Refuse to overwrite an existing output unless ``force``."""
+    if out.exists() and not force:
+        raise UserError(f"output path {out} already exists", "choose another --out or pass --force")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory of ``out``; on success fsync and rename it to ``out``.
+
+    On any failure the temporary directory is removed and ``out`` is left as it was.
+    """
+    out = Path(out).absolute()
+    check_output_path(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if out.exists():
+            old = out.parent / f"{TMP_PREFIX}old-{out.name}-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        else:
+            tmp.rename(out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@dataclass
+class TensorSpec:
+    """What a tensor will be in the output: enough to write a safetensors header up front."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class _Shard:
+    path: Path
+    specs: list[TensorSpec]
+    offsets: dict[str, int] = field(default_factory=dict)  # absolute file offsets of tensor data
+    written: set[str] = field(default_factory=set)
+    hasher: OrderedHasher = field(default_factory=OrderedHasher)
+    in_order: bool = True
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Split tensors, in order, into shards of at most ``max_shard_bytes`` (a bigger tensor gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors one at a time into pre-planned safetensors shards.
+
+    The header of every shard is written first (all shapes and dtypes are known in advance), so
+    each tensor goes straight to its place on disk and nothing but the current tensor is in memory.
+    Produces ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index json.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        specs: list[TensorSpec],
+        max_shard_bytes: int = 2 << 30,
+        metadata: dict[str, str] | None = None,
+        basename: str = "model",
+    ) -> None:
+        self.directory = Path(directory)
+        self.basename = basename
+        groups = plan_shards(specs, max_shard_bytes)
+        n = len(groups)
+        self.shards: list[_Shard] = []
+        self.where: dict[str, _Shard] = {}
+        for i, group in enumerate(groups):
+            fname = (
+                f"{basename}.safetensors" if n == 1 else f"{basename}-{i + 1:05d}-of-{n:05d}.safetensors"
+            )
+            shard = _Shard(self.directory / fname, group)
+            self._write_header(shard, metadata or {"format": "pt"})
+            self.shards.append(shard)
+            for s in group:
+                self.where[s.name] = shard
+        self.specs = {s.name: s for s in specs}
+
+    @staticmethod
+    def _write_header(shard: _Shard, metadata: dict[str, str]) -> None:
+        header: dict[str, object] = {"__metadata__": metadata}
+        pos = 0
+        rel: dict[str, int] = {}
+        for s in shard.specs:
+            header[s.name] = {
+                "dtype": TORCH_TO_ST[s.dtype],
+                "shape": list(s.shape),
+                "data_offsets": [pos, pos + s.nbytes],
+            }
+            rel[s.name] = pos
+            pos += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # align data to 8 bytes, as safetensors does
+        base = 8 + len(raw)
+        with open(shard.path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(base + pos)
+        shard.hasher.update(struct.pack("<Q", len(raw)) + raw)
+        shard.offsets = {k: base + v for k, v in rel.items()}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs[name]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(
+                f"{name}: planned {spec.dtype}{list(spec.shape)}, got {tensor.dtype}{list(tensor.shape)}"
+            )
+        shard = self.where[name]
+        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        offset = shard.offsets[name]
+        fd = os.open(shard.path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+        finally:
+            os.close(fd)
+        shard.written.add(name)
+        if shard.in_order and offset == shard.hasher.pos:
+            shard.hasher.update(data)
+        else:
+            shard.in_order = False
+
+    def sha256(self) -> dict[Path, str]:
+        """sha256 of every shard: from the in-order stream when possible, else by reading the file."""
+        return {sh.path: sh.hasher.hexdigest() if sh.in_order else sha256_file(sh.path) for sh in self.shards}
+
+    def close(self) -> list[Path]:
+        """Check every planned tensor was written; write the index json for sharded output."""
+        missing = [s.name for sh in self.shards for s in sh.specs if s.name not in sh.written]
+        if missing:
+            raise RuntimeError(f"tensors planned but never written: {missing[:5]}")
+        files = [sh.path for sh in self.shards]
+        if len(self.shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for s in self.specs.values())},
+                "weight_map": {name: sh.path.name for name, sh in self.where.items()},
+            }
+            idx = self.directory / f"{self.basename}.safetensors.index.json"
+            idx.write_text(json.dumps(index, indent=2))
+            files.append(idx)
+        return files

@@ -1,0 +1,192 @@
+"""Streaming merge: ``W' = W + Σ weight·scale·(B @ A)`` in fp32, cast once to the output dtype.
+
+DoRA: ``W' = m · (W + ΔW) / ‖W + ΔW‖`` with PEFT's per-output-row norm. ``modules_to_save`` tensors
+replace the base's (resized vocabularies included). One base tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapter import Adapter
+from .checkpoint import Checkpoint
+from .errors import UserError
+from .io import TensorSpec
+
+OUT_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+              "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class WeightedAdapter:
+    adapter: Adapter
+    weight: float = 1.0
+
+
+@dataclass
+class MergePlan:
+    """Everything decided before the first tensor is read: output tensors, config changes, sources."""
+
+    base: Checkpoint
+    adapters: list[WeightedAdapter]
+    out_dtype: torch.dtype | None
+    specs: list[TensorSpec] = field(default_factory=list)
+    source: dict[str, str] = field(default_factory=dict)  # output name -> base tensor it starts from
+    config_updates: dict[str, object] = field(default_factory=dict)
+    untied: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> dict:
+        return {**self.base.config, **self.config_updates}
+
+
+def _mismatch(adapter: Adapter, tensor: str, base_shape, adapter_shape) -> UserError:
+    base_hint = adapter.config.get("base_model_name_or_path")
+    return UserError(
+        f"adapter {adapter.name} does not fit this base: {tensor} is {list(base_shape)} in the base "
+        f"but {list(adapter_shape)} in the adapter",
+        "the adapter was trained on another model: pass the base it was trained on"
+        + (f" (its adapter_config.json names {base_hint})" if base_hint else ""),
+    )
+
+
+def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "auto") -> MergePlan:
+    """Check every adapter against the base and decide the output; raises UserError on a misfit."""
+    if dtype not in OUT_DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}", "use auto, bf16, fp16 or fp32")
+    plan = MergePlan(base, adapters, OUT_DTYPES[dtype])
+    arch = base.arch
+    embed = f"{arch.embed}.weight" if arch else "model.embed_tokens.weight"
+    head = f"{arch.lm_head}.weight" if arch else "lm_head.weight"
+    tied = base.tied_embeddings
+
+    dora = [w for w in adapters if w.adapter.use_dora]
+    if dora and (len(adapters) > 1 or dora[0].weight != 1.0):
+        raise UserError(f"DoRA adapter {dora[0].adapter.name} can only be merged alone and with weight 1",
+                        "merge it on its own, then merge the others into that output")
+
+    def base_shape(name: str) -> tuple[int, ...] | None:
+        if name in base:
+            return base.meta(name).shape
+        if name == head and tied and embed in base:
+            return base.meta(embed).shape
+        return None
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    touched: set[str] = set()
+    replaced_by: dict[str, list[str]] = {}
+    for w in adapters:
+        a = w.adapter
+        for target, mod in a.modules.items():
+            bs = base_shape(target)
+            if bs is None:
+                raise UserError(
+                    f"adapter {a.name} targets {mod.module}, which the base lacks",
+                    "the adapter was trained on another model: pass the base it was trained on",
+                )
+            if tuple(mod.base_shape()) != tuple(bs) and tuple(mod.base_shape()) != shapes.get(target):
+                raise _mismatch(a, target, bs, mod.base_shape())
+            if mod.bias is not None:
+                bias = f"{mod.module}.bias"
+                if bias not in base and bias not in a.replacements:
+                    raise UserError(f"adapter {a.name} has a LoRA bias (lora_bias) on {mod.module}, "
+                                    "which has no bias in the base", "merging it would change the architecture")
+            touched.add(target)
+        for name, t in a.replacements.items():
+            bs = base_shape(name)
+            if bs is None:
+                raise UserError(f"adapter {a.name} replaces {name}, which the base lacks",
+                                "the adapter was trained on another model: pass the base it was trained on")
+            shape = tuple(t.shape)
+            resized = name in (embed, head) and len(shape) == 2 and shape[1:] == bs[1:] and shape != bs
+            if shape != bs and not resized:
+                raise _mismatch(a, name, bs, shape)
+            if resized:
+                shapes[name] = shape
+            replaced_by.setdefault(name, []).append(a.name)
+            touched.add(name)
+
+    for name, who in replaced_by.items():
+        if name in shapes and (len(who) > 1 or any(w.weight != 1.0 for w in adapters if w.adapter.name in who)):
+            raise UserError(f"{name} is resized by {', '.join(who)}",
+                            "a resized vocabulary can come from one adapter only, merged with weight 1")
+    # Each adapter's modules must fit the resized shape too (e.g. embedding LoRA after resize).
+    for w in adapters:
+        for target, mod in w.adapter.modules.items():
+            want = shapes.get(target, base_shape(target))
+            if tuple(mod.base_shape()) != tuple(want):
+                raise _mismatch(w.adapter, target, want, mod.base_shape())
+
+    vocab = {shapes[n][0] for n in (embed, head) if n in shapes}
+    if vocab:
+        if len(vocab) > 1 or (not tied and (embed in shapes) != (head in shapes)):
+            raise UserError("the adapter resizes the input and output embeddings differently",
+                            "save both embed_tokens and lm_head in modules_to_save")
+        plan.config_updates["vocab_size"] = vocab.pop()
+
+    keep_tied = all(bool(w.adapter.config.get("ensure_weight_tying")) for w in adapters) and adapters
+    if tied and (embed in touched or head in touched) and not keep_tied:
+        # PEFT applies an embedding change only where it was trained (input or output side); writing
+        # an explicit lm_head keeps that behaviour after the merge.
+        plan.untied = True
+        plan.config_updates["tie_word_embeddings"] = False
+        plan.notes.append("untied embeddings: the adapter changes embed_tokens or lm_head of a tied base")
+
+    for name in base.names():
+        meta = base.meta(name)
+        plan.specs.append(TensorSpec(name, _out_dtype(meta.dtype, plan.out_dtype), shapes.get(name, meta.shape)))
+        plan.source[name] = name
+    if plan.untied:
+        meta = base.meta(embed)
+        plan.specs.append(TensorSpec(head, _out_dtype(meta.dtype, plan.out_dtype), shapes.get(head, meta.shape)))
+        plan.source[head] = embed
+    if plan.out_dtype is not None:
+        name = CONFIG_DTYPE_NAMES[plan.out_dtype]
+        plan.config_updates["torch_dtype"] = name
+        if "dtype" in base.config:
+            plan.config_updates["dtype"] = name
+    return plan
+
+
+def _out_dtype(src: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    return wanted if (wanted is not None and src.is_floating_point) else src
+
+
+def merged_tensors(plan: MergePlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, merged tensor)`` in output order, reading one base tensor at a time."""
+    for spec in plan.specs:
+        yield spec.name, merge_one(plan, spec)
+
+
+def merge_one(plan: MergePlan, spec: TensorSpec) -> torch.Tensor:
+    name = spec.name
+    t = plan.base.read(plan.source[name])
+    replacing = [(w, w.adapter.replacements[name]) for w in plan.adapters if name in w.adapter.replacements]
+    if len(replacing) == 1 and replacing[0][0].weight == 1.0:
+        t = replacing[0][1]
+    elif replacing:  # linear merge of task vectors: W + Σ w_i (T_i - W)
+        w32 = t.float()
+        t = w32 + sum(w.weight * (r.float() - w32) for w, r in replacing)
+    mods = [(w.weight, w.adapter.modules[name]) for w in plan.adapters if name in w.adapter.modules]
+    bias_mods = [(w.weight, m) for w in plan.adapters for m in w.adapter.modules.values()
+                 if m.bias is not None and f"{m.module}.bias" == name]
+    if mods or bias_mods:
+        w32 = t.float() if t.dtype != torch.float32 else t.clone()
+        for weight, mod in mods:
+            if mod.kind == "linear" and not mod.fan_in_fan_out:
+                w32.addmm_(mod.B.float(), mod.A.float(), alpha=mod.scale * weight)
+            else:
+                w32.add_(mod.delta(), alpha=weight)
+            if mod.magnitude is not None:  # DoRA, PEFT's norm over the input dim of [out, in]
+                rows = w32.T if mod.fan_in_fan_out else w32
+                norm = torch.linalg.norm(rows, dim=1)
+                rows.mul_((mod.magnitude.float() / norm).view(-1, 1))
+        for weight, mod in bias_mods:
+            w32.add_(mod.bias.float(), alpha=mod.scale * weight)
+        t = w32
+    return t.to(spec.dtype) if t.dtype != spec.dtype else t

@@ -1,0 +1,110 @@
+"""A validating, mmap-free safetensors reader: one tensor at a time with ``readinto``.
+
+Reading with explicit reads (not mmap) keeps resident memory to the tensor being read, and checking
+the header up front turns truncated or corrupt files into a clear :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .io import ST_DTYPES, OrderedHasher, sha256_file
+
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _bad(path: Path, what: str) -> UserError:
+    return UserError(
+        f"{path} is not a valid safetensors file ({what})",
+        "the file is truncated or corrupt: download or copy it again",
+    )
+
+
+class SafetensorsFile:
+    """Header of one ``.safetensors`` file, validated against the file size."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise _bad(self.path, f"only {size} bytes, no header")
+                (n,) = struct.unpack("<Q", head)
+                if n > size - 8 or n > MAX_HEADER_BYTES:
+                    raise _bad(self.path, f"header length {n} is larger than the file ({size} bytes)")
+                raw = f.read(n)
+        except OSError as e:
+            raise UserError(f"cannot read {self.path}: {e.strerror}", "check the path and permissions") from e
+        try:
+            header = json.loads(raw)
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _bad(self.path, f"corrupt header JSON: {str(e)[:80]}") from e
+        self.size = size
+        self._hasher = OrderedHasher()
+        self._hasher.update(head + raw)
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        base = 8 + n
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            try:
+                dtype = ST_DTYPES[entry["dtype"]]
+                shape = tuple(int(d) for d in entry["shape"])
+                lo, hi = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise _bad(self.path, f"bad entry for tensor {name!r}") from e
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if hi - lo != nbytes or lo < 0:
+                raise _bad(self.path, f"tensor {name!r} has {hi - lo} bytes for shape {list(shape)}")
+            if base + hi > size:
+                raise _bad(self.path, f"tensor {name!r} ends at byte {base + hi}, file has {size}")
+            self.tensors[name] = TensorInfo(name, dtype, shape, base + lo, nbytes)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        if info.nbytes:
+            buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < info.nbytes:
+                    got = os.preadv(fd, [buf[done:]], info.start + done)
+                    if got <= 0:
+                        raise _bad(self.path, f"short read of tensor {name!r}")
+                    done += got
+            finally:
+                os.close(fd)
+            if info.start == self._hasher.pos:
+                self._hasher.update(buf)
+        return out
+
+    def sha256(self) -> str:
+        """sha256 of the file; free when every tensor was read in file order, else read again."""
+        if self._hasher.pos == self.size:
+            return self._hasher.hexdigest()
+        return sha256_file(self.path)

@@ -1,0 +1,1 @@
+"""The middle floor: engines, adapter pool, gateway and engine policy. Imports ``convert`` only."""

@@ -1,0 +1,96 @@
+"""Deterministic tiny base models for several architectures."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .tokenizers import TOKENIZER_WRITERS
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """How to build a tiny model of one architecture."""
+
+    model_type: str
+    config_class: str
+    tokenizer: str  # key of TOKENIZER_WRITERS
+    extra: tuple[tuple[str, object], ...] = ()
+
+
+TINY_ARCHS: dict[str, TinyArch] = {
+    "llama": TinyArch("llama", "LlamaConfig", "sentencepiece"),
+    "mistral": TinyArch("mistral", "MistralConfig", "sentencepiece", (("sliding_window", None),)),
+    "qwen2": TinyArch("qwen2", "Qwen2Config", "bpe", (("use_sliding_window", False),)),
+}
+
+# Head dim 32: the smallest the vLLM CPU attention backend accepts.
+TINY_DIMS = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.08,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_base(
+    arch: str,
+    out: Path,
+    dtype: str = "fp32",
+    tied: bool = False,
+    seed: int = 0,
+    max_shard_size: str = "400KB",
+    dims: dict | None = None,
+) -> Path:
+    """Write a tiny HF model dir (config, generation config, tokenizer, sharded safetensors)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    spec = TINY_ARCHS[arch]
+    out = Path(out)
+    TOKENIZER_WRITERS[spec.tokenizer](out)
+    tok = AutoTokenizer.from_pretrained(out)
+    config_cls = getattr(transformers, spec.config_class)
+    config = config_cls(
+        vocab_size=len(tok),
+        tie_word_embeddings=tied,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **{**TINY_DIMS, **(dims or {})},
+        **dict(spec.extra),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1 so that norm handling is tested too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model = model.to(DTYPES[dtype])
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=False, max_new_tokens=32
+    ).save_pretrained(out)
+    _set_config_dtype(out / "config.json", dtype)
+    return out
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    cfg = json.loads(path.read_text())
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    cfg["torch_dtype"] = name
+    if "dtype" in cfg:
+        cfg["dtype"] = name
+    path.write_text(json.dumps(cfg, indent=2))

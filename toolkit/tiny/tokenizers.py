@@ -1,0 +1,119 @@
+"""Tiny tokenizers trained locally: SentencePiece (llama-style) and byte-level BPE (qwen2-style)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from .corpus import training_lines
+
+SP_VOCAB = 512
+BPE_VOCAB = 600
+
+# Mistral-style instruction template for the SentencePiece tokenizer.
+INST_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'system' %}{{ message['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+)
+# ChatML for the byte-level BPE tokenizer.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+
+
+def write_sentencepiece(out: Path) -> None:
+    """Train a BPE SentencePiece model with byte fallback; write HF tokenizer files into ``out``."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(training_lines()),
+        model_writer=model,
+        vocab_size=SP_VOCAB,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        user_defined_symbols=["[INST]", "[/INST]"],
+        num_threads=1,
+        minloglevel=2,
+    )
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "legacy": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(out)  # converts tokenizer.model into tokenizer.json
+    tok.chat_template = INST_TEMPLATE
+    tok.save_pretrained(out)
+    _drop_auto_map(out)
+
+
+def write_bytelevel_bpe(out: Path) -> None:
+    """Train a byte-level BPE with a Qwen2-style pre-tokenizer; write HF tokenizer files into ``out``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    qwen2_split = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(qwen2_split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_lines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out)
+    _drop_auto_map(out)
+
+
+def _drop_auto_map(out: Path) -> None:
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("auto_map", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+TOKENIZER_WRITERS = {"sentencepiece": write_sentencepiece, "bpe": write_bytelevel_bpe}
