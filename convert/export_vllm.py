@@ -1,0 +1,159 @@
+"""``export --target vllm``: a merged model, or the base plus one vLLM-ready directory per adapter,
+with the launch arguments the bundle needs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .adapter import PEFT_PREFIX, Adapter
+from .arch import arch_for
+from .checkpoint import Checkpoint
+from .errors import UserError
+from .export_hf import AdapterArg, Progress, load_weighted, merge_inputs, write_merged
+from .io import atomic_dir, check_output_path, sha256_file
+from .manifest import write_manifest
+from .merge import WeightedAdapter, plan_merge
+from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
+
+LAUNCH_JSON = "vllm_launch.json"
+LAUNCH_SH = "serve-vllm.sh"
+
+
+def vllm_adapter_tensors(adapter: Adapter, pf: Preflight) -> dict[str, torch.Tensor]:
+    """PEFT-named tensors vLLM parses: ``base_model.model.<module>.lora_A.weight`` and friends."""
+    out: dict[str, torch.Tensor] = {}
+    for mod in adapter.modules.values():
+        key = PEFT_PREFIX + mod.module
+        if mod.kind == "embedding":
+            out[f"{key}.lora_embedding_A"] = mod.A.contiguous()
+            out[f"{key}.lora_embedding_B"] = mod.B.contiguous()
+        else:
+            out[f"{key}.lora_A.weight"] = mod.A.contiguous()
+            out[f"{key}.lora_B.weight"] = mod.B.contiguous()
+    for name, t in adapter.replacements.items():
+        if name not in pf.drop_tensors:
+            out[PEFT_PREFIX + name] = t.contiguous()
+    return out
+
+
+def vllm_adapter_config(adapter: Adapter) -> dict:
+    cfg = dict(adapter.config)
+    if isinstance(cfg.get("target_modules"), str):
+        cfg["target_modules"] = adapter.target_suffixes
+    cfg["fan_in_fan_out"] = False
+    return cfg
+
+
+def write_vllm_adapter(adapter: Adapter, pf: Preflight, out: Path) -> None:
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_text(json.dumps(vllm_adapter_config(adapter), indent=2))
+    save_file(vllm_adapter_tensors(adapter, pf), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def launch_args(model_dir: str, served_name: str, adapters: dict[str, str], max_rank: int,
+                dtype: str | None) -> list[str]:
+    args = ["--model", model_dir, "--served-model-name", served_name]
+    if dtype:
+        args += ["--dtype", dtype]
+    if adapters:
+        args += ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", str(len(adapters)),
+                 "--max-cpu-loras", str(len(adapters)), "--lora-modules"]
+        args += [json.dumps({"name": n, "path": p, "base_model_name": served_name}) for n, p in adapters.items()]
+    return args
+
+
+def write_launch(out: Path, args: list[str]) -> None:
+    (out / LAUNCH_JSON).write_text(json.dumps({
+        "command": ["python", "-m", "vllm.entrypoints.openai.api_server", *args],
+        "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        "cwd": ".",
+    }, indent=2))
+    script = (
+        "#!/usr/bin/env bash\n# Written by tuneport: serves this bundle with vLLM (paths are relative to it).\n"
+        'cd "$(dirname "$0")"\nexport VLLM_ALLOW_RUNTIME_LORA_UPDATING=True\n'
+        "exec python -m vllm.entrypoints.openai.api_server " + " ".join(shlex.quote(a) for a in args) + ' "$@"\n'
+    )
+    (out / LAUNCH_SH).write_text(script)
+    (out / LAUNCH_SH).chmod(0o755)
+
+
+def check_for_vllm(base: Checkpoint, adapters: list[WeightedAdapter],
+                   max_lora_rank: int | None = None) -> list[Preflight]:
+    """Fit against the base (shapes, targets) and vLLM's rules; raise one UserError naming every problem."""
+    arch = arch_for(base.model_type)
+    results = []
+    for w in adapters:
+        plan_merge(base, [w])  # the adapter must fit this base before vLLM's own rules matter
+        results.append(preflight(w.adapter, arch, base, max_lora_rank))
+    if msg := preflight_message(results):
+        raise UserError(msg, "")
+    return results
+
+
+def export_vllm(
+    base: str | Path,
+    adapters: list[AdapterArg],
+    out: Path,
+    mode: str = "separate",
+    dtype: str = "auto",
+    force: bool = False,
+    allow_pickle: bool = False,
+    progress: Progress | None = None,
+    max_lora_rank: int | None = None,
+) -> dict:
+    """Write a bundle vLLM serves as is; return its manifest."""
+    if mode not in ("separate", "merge"):
+        raise UserError(f"unknown --adapters {mode!r}", "use merge or separate")
+    out = Path(out)
+    check_output_path(out, force)
+    ckpt = Checkpoint(base, allow_pickle=allow_pickle)
+    loaded = load_weighted(adapters, allow_pickle)
+    served = Path(ckpt.spec).name or "base"
+    vllm_dtype = None if dtype == "auto" else {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
+    if mode == "merge":
+        arch_for(ckpt.model_type)
+        plan = plan_merge(ckpt, loaded, dtype)
+        with atomic_dir(out, force=force) as tmp:
+            hashes = write_merged(plan, tmp, progress=progress)
+            write_launch(tmp, launch_args(".", served, {}, 0, vllm_dtype))
+            return write_manifest(tmp, "vllm", merge_inputs(plan), {"adapters": "merge", "dtype": dtype,
+                                  "notes": plan.notes}, known_hashes={tmp / p.name: h for p, h in hashes.items()})
+
+    if not loaded:
+        raise UserError("--adapters separate needs at least one --adapter", "pass --adapter NAME=PATH")
+    results = check_for_vllm(ckpt, loaded, max_lora_rank)
+    max_rank = round_lora_rank(max(r for w in loaded for r in w.adapter.ranks))
+    with atomic_dir(out, force=force) as tmp:
+        base_dir = tmp / "base"
+        base_dir.mkdir()
+        files = ckpt.weight_files + ckpt.side_files() + [ckpt.path / "config.json"]
+        index = ckpt.path / "model.safetensors.index.json"
+        if index.exists():
+            files.append(index)
+        total = sum(f.stat().st_size for f in files)
+        done = 0
+        for f in files:
+            shutil.copyfile(f, base_dir / f.name)
+            done += f.stat().st_size
+            if progress:
+                progress(done, total, f.name)
+        paths = {}
+        for w, pf in zip(loaded, results):
+            write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
+            paths[w.adapter.name] = f"adapters/{w.adapter.name}"
+        write_launch(tmp, launch_args("base", served, paths, max_rank, vllm_dtype))
+        inputs = [{"role": "base", "path": str(ckpt.spec),
+                   "files": {f.name: sha256_file(f) for f in ckpt.weight_files}}]
+        inputs += [{"role": "adapter", "name": w.adapter.name, "path": str(w.adapter.path),
+                    "sha256": sha256_file(w.adapter.file) if w.adapter.file else None} for w in loaded]
+        return write_manifest(
+            tmp, "vllm", inputs,
+            {"adapters": "separate", "max_lora_rank": max_rank, "dtype": dtype},
+            extra={"fixes": {pf.adapter: pf.fixes for pf in results}},
+        )

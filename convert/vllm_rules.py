@@ -1,0 +1,88 @@
+"""vLLM's LoRA rules (vLLM 0.32 ``PEFTHelper`` and model classes; the GPU build has the same), checked
+before vLLM sees an adapter: every problem is collected, lossless fixes are listed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapter import Adapter
+from .arch import ArchSpec
+from .checkpoint import Checkpoint
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_MODULES_TO_SAVE_OK = ("classifier", "score")
+MERGE_HINT = "use --adapters merge"
+
+
+def round_lora_rank(r: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM allows that holds rank ``r``."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if r <= allowed:
+            return allowed
+    raise ValueError(f"rank {r} is above vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}")
+
+
+@dataclass
+class Preflight:
+    adapter: str
+    problems: list[str] = field(default_factory=list)  # each: reason + what to do
+    fixes: list[str] = field(default_factory=list)  # lossless rewrites tuneport applies
+    drop_tensors: set[str] = field(default_factory=set)  # replacements identical to the base
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None = None,
+              max_lora_rank: int | None = None) -> Preflight:
+    """Check ``adapter`` against vLLM's rules for ``arch``; compare saved base layers with ``base``."""
+    pf = Preflight(adapter.name)
+    cfg = adapter.config
+    arch_name = arch.model_type if arch else cfg.get("base_model_class", "this architecture")
+    if adapter.use_dora:
+        pf.problems.append(f"DoRA is not supported by vLLM: {MERGE_HINT}")
+    mts = [m for m in adapter.modules_to_save if m not in VLLM_MODULES_TO_SAVE_OK]
+    if mts:
+        pf.problems.append(f"modules_to_save ({', '.join(mts)}) is not supported by vLLM "
+                           f"(only classifier/score): {MERGE_HINT}")
+    if cfg.get("bias", "none") != "none":
+        pf.problems.append(f"bias={cfg.get('bias')!r} (trained biases) is not supported by vLLM: {MERGE_HINT}")
+    if cfg.get("lora_bias"):
+        pf.problems.append(f"lora_bias is not supported by vLLM: {MERGE_HINT}")
+    top = max(adapter.ranks or [0])
+    limit = max_lora_rank or VLLM_MAX_LORA_RANKS[-1]
+    if top > limit:
+        pf.problems.append(f"rank {top} is above the --max-lora-rank limit {limit}: "
+                           f"{MERGE_HINT}, or raise --max-lora-rank")
+    if arch is not None:
+        bad = sorted({s for s in adapter.target_suffixes if s not in arch.vllm_lora_modules})
+        if bad:
+            pf.problems.append(f"vLLM does not apply LoRA to {', '.join(bad)} on {arch_name} "
+                               f"(it accepts {', '.join(arch.vllm_lora_modules)}): {MERGE_HINT}")
+    for name, origin in adapter.replacement_origin.items():
+        if origin != "base_layer":
+            continue
+        same = (base is not None and name in base and tuple(base.meta(name).shape) == tuple(adapter.replacements[name].shape)
+                and torch.equal(base.read(name).to(adapter.replacements[name].dtype), adapter.replacements[name]))
+        if same:
+            pf.drop_tensors.add(name)
+        else:
+            pf.problems.append(f"the adapter carries its own copy of {name} (a resized or retrained embedding), "
+                               f"which vLLM ignores: {MERGE_HINT}")
+    if pf.drop_tensors:
+        pf.fixes.append(f"dropped saved base layers identical to the base ({', '.join(sorted(pf.drop_tensors))})")
+    if isinstance(cfg.get("target_modules"), str):
+        pf.fixes.append(f"target_modules regex {cfg['target_modules']!r} written as the list of adapted modules")
+    if cfg.get("fan_in_fan_out"):
+        pf.fixes.append("fan_in_fan_out cleared: vLLM stores these weights [out, in], A and B are unchanged")
+    if adapter.file is not None and adapter.file.suffix != ".safetensors":
+        pf.fixes.append(f"{adapter.file.name} converted to adapter_model.safetensors")
+    return pf
+
+
+def preflight_message(results: list[Preflight]) -> str:
+    """One line naming every adapter's every problem."""
+    return "; ".join(f"adapter {p.adapter}: " + "; ".join(p.problems) for p in results if p.problems)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.tiny import TinyZoo
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ["llama", "mistral", "qwen2"]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> TinyZoo:
+    return TinyZoo(tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    """A fixed token sequence inside every tiny vocabulary."""
+    return torch.tensor([[1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]])
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    """Run ``tuneport`` in-process; return (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from toolkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "vllm" in item.keywords or "llamacpp" in item.keywords:
+            item.add_marker(pytest.mark.slow)
+
+
+def listdir(p: Path) -> list[str]:
+    return sorted(x.name for x in p.iterdir())

@@ -1,0 +1,83 @@
+"""Every adapter variant on every arch: the merged HF dir in transformers equals PEFT, merged and not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from convert.export_hf import AdapterArg, merge_to_dir
+from toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
+from toolkit.tiny import VARIANTS
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_merge_matches_peft(zoo, tmp_path, ids, arch, variant):
+    base = zoo.base_for(arch, variant)
+    adapter = zoo.adapter(arch, variant)
+    out = tmp_path / "merged"
+    merge_to_dir(base, [AdapterArg(adapter)], out)
+
+    merged = logits(load_hf(out), ids)
+    peft_model = load_peft(base, adapter)
+    unmerged = logits(peft_model, ids)
+    peft_merged = logits(peft_model.merge_and_unload(), ids)
+    plain_base = logits(load_hf(base, vocab=adapter_vocab(adapter)), ids)
+
+    assert (merged - unmerged).abs().max().item() <= TOL
+    assert (merged - peft_merged).abs().max().item() <= TOL
+    # the adapter must matter, or the comparison proves nothing
+    assert (unmerged - plain_base).abs().max().item() > 0.1
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == merged.shape[-1]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"] == "merge" and manifest["outputs"]
+
+
+def test_tied_base_with_embedding_lora_keeps_trained_behaviour(zoo, tmp_path, ids):
+    """PEFT's merge_and_unload changes lm_head too when embeddings are tied; the trained model
+    (unmerged) does not. tuneport unties and matches the trained model."""
+    base = zoo.base("llama", tied=True)
+    from toolkit.tiny import make_adapter
+
+    adapter = tmp_path / "emb"
+    make_adapter(base, "embedding", adapter)
+    out = tmp_path / "merged"
+    merge_to_dir(base, [AdapterArg(adapter)], out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False
+    unmerged = logits(load_peft(base, adapter), ids)
+    assert (logits(load_hf(out), ids) - unmerged).abs().max().item() <= TOL
+
+
+def test_weighted_adapters_sum_deltas(zoo, tmp_path, ids, cli):
+    """--adapter A:0.5 --adapter B:1.5 gives W + 0.5 ΔA + 1.5 ΔB (deltas taken from PEFT's own merge)."""
+    base = zoo.base("llama")
+    a, b = zoo.adapter("llama", "plain"), zoo.adapter("llama", "regex")
+    out = tmp_path / "merged"
+    code, _, err = cli("merge", "--base", base, "--adapter", f"{a}:0.5", "--adapter", f"{b}:1.5", "--out", out)
+    assert code == 0, err
+
+    ref = load_hf(base)
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    for path, w in ((a, 0.5), (b, 1.5)):
+        merged = load_peft(base, path).merge_and_unload().state_dict()
+        for k in sd:
+            sd[k] += w * (merged[k] - ref.state_dict()[k])
+    ref.load_state_dict(sd)
+    assert (logits(load_hf(out), ids) - logits(ref, ids)).abs().max().item() <= TOL
+
+
+def test_dtype_option_casts_output(zoo, tmp_path):
+    out = tmp_path / "m16"
+    merge_to_dir(zoo.base("qwen2"), [AdapterArg(zoo.adapter("qwen2", "plain"))], out, dtype="fp16")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == "float16"
+    model = load_hf(out, dtype=torch.float16)
+    assert next(model.parameters()).dtype == torch.float16

@@ -1,0 +1,188 @@
+"""``tuneport``: a thin typer layer over the Python API in ``convert`` and ``toolkit``.
+
+Exit codes: 0 ok; 2 bad input (one line on stderr that names the fix); 3 a fidelity gate failed;
+1 only for bugs. ``--json`` prints one JSON object on stdout and nothing else there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from convert.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Merge, export, verify and serve LoRA fine-tunes for llama.cpp, vLLM and ExLlamaV3.")
+_state = {"debug": False}
+
+
+class Target(str, Enum):
+    safetensors = "safetensors"
+    vllm = "vllm"
+    gguf = "gguf"
+    awq = "awq"
+    exl3 = "exl3"
+
+
+class AdapterMode(str, Enum):
+    merge = "merge"
+    separate = "separate"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def emit(obj: dict, as_json: bool, human: str) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    else:
+        typer.echo(human)
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
+    _state["debug"] = debug
+
+
+@app.command()
+def inspect(
+    path: Annotated[str, typer.Argument(help="HF model dir or hub id, PEFT adapter dir, or .gguf file")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """What PATH is, its architecture, size and dtype, and which engines load it as is."""
+    from toolkit.inspect import format_report, inspect_path
+
+    report = inspect_path(path)
+    emit(report, as_json, format_report(report))
+
+
+@app.command()
+def merge(
+    base: Annotated[str, typer.Option("--base", help="HF model dir or hub id")],
+    adapter: Annotated[list[str], typer.Option("--adapter", help="PEFT adapter dir, PATH[:WEIGHT]; repeatable")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory (written atomically)")],
+    dtype: Annotated[DType, typer.Option("--dtype", help="Output dtype; auto keeps the base's")] = DType.auto,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output")] = False,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Load *.bin/*.pt (weights_only)")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Merge adapters into the base: a complete HF directory with manifest.json."""
+    from convert.export_hf import AdapterArg, merge_to_dir
+    from toolkit.progress import byte_progress
+
+    with byte_progress("merging", not as_json) as progress:
+        result = merge_to_dir(base, [AdapterArg.parse(a) for a in adapter], out, dtype.value, force,
+                              allow_pickle, progress=progress)
+    summary = {"out": str(result.out), "target": "merge", "notes": result.plan.notes,
+               "config_updates": result.plan.config_updates, "outputs": result.manifest["outputs"]}
+    emit(summary, as_json, f"merged {len(adapter)} adapter(s) into {result.out}"
+         + "".join(f"\n  note: {n}" for n in result.plan.notes))
+
+
+@app.command()
+def export(
+    base: Annotated[str, typer.Option("--base", help="HF model dir or hub id")],
+    target: Annotated[Target, typer.Option("--target", help="What to produce")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory (written atomically)")],
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="[NAME=]PATH[:WEIGHT]; repeatable")] = None,
+    adapters: Annotated[AdapterMode, typer.Option("--adapters", help="Merge adapters or keep them separate")]
+    = AdapterMode.merge,
+    quant: Annotated[str | None, typer.Option("--quant", help="Quantization type(s), comma-separated")] = None,
+    dtype: Annotated[DType, typer.Option("--dtype")] = DType.auto,
+    max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank", help="vLLM rank limit to check")] = None,
+    force: Annotated[bool, typer.Option("--force")] = False,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Export for an engine: safetensors (merged HF dir) or vllm (merged, or base + vLLM-ready adapters)."""
+    from convert.export_hf import AdapterArg, merge_to_dir
+    from convert.export_vllm import LAUNCH_SH, export_vllm
+    from toolkit.progress import byte_progress
+
+    args = [AdapterArg.parse(a) for a in adapter or []]
+    if quant and target in (Target.safetensors, Target.vllm):
+        raise UserError(f"--quant does not apply to --target {target.value}", "drop --quant, or use --target gguf")
+    with byte_progress(f"export {target.value}", not as_json) as progress:
+        if target is Target.safetensors:
+            if adapters is AdapterMode.separate:
+                raise UserError("--target safetensors writes one merged model",
+                                "use --adapters merge, or --target vllm --adapters separate")
+            manifest = merge_to_dir(base, args, out, dtype.value, force, allow_pickle, progress=progress,
+                                    target="safetensors").manifest
+        elif target is Target.vllm:
+            manifest = export_vllm(base, args, out, adapters.value, dtype.value, force, allow_pickle, progress,
+                                   max_lora_rank)
+        else:
+            raise UserError(f"--target {target.value} is not available in this version of tuneport",
+                            "available targets: safetensors, vllm")
+    fixes = manifest.get("fixes", {})
+    human = f"exported {target.value} ({adapters.value}) to {out}"
+    for name, fx in fixes.items():
+        human += "".join(f"\n  {name}: fixed: {f}" for f in fx)
+    if target is Target.vllm:
+        human += f"\n  serve it with: {Path(out) / LAUNCH_SH}"
+    emit({"out": str(out), "target": target.value, "adapters": adapters.value, "fixes": fixes,
+          "outputs": manifest["outputs"]}, as_json, human)
+
+
+@app.command()
+def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Python, torch, which engines are importable, CUDA, versions."""
+    from toolkit.doctor import doctor_report, format_doctor
+
+    report = doctor_report()
+    emit(report, as_json, format_doctor(report))
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option("--out", help="Where the demo writes")] = Path("demo-out"),
+    force: Annotated[bool, typer.Option("--force", help="Start over if --out exists")] = True,
+) -> None:
+    """Build a tiny base and two adapters, merge one, export the other for vLLM, inspect each."""
+    from toolkit.demo import run_demo
+
+    run_demo(out, force)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: UserError -> one line on stderr and its exit code; bugs -> exit 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        app(argv, prog_name="tuneport", standalone_mode=False)
+        return 0
+    except UserError as e:
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"error: {e.line()}\n")
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        sys.stderr.write("aborted\n")
+        return 130
+    except Exception as e:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            return e.exit_code
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

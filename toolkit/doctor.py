@@ -1,0 +1,80 @@
+"""``tuneport doctor``: what this machine has for tuneport's engines."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+
+PACKAGES = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "peft": "peft",
+    "safetensors": "safetensors",
+    "gguf": "gguf",
+    "llama-cpp-python": "llama_cpp",
+    "vllm": "vllm",
+    "exllamav3": "exllamav3",
+    "sentencepiece": "sentencepiece",
+    "tokenizers": "tokenizers",
+}
+ENGINES = {"llama.cpp": "llama-cpp-python", "vllm": "vllm", "exllamav3": "exllamav3"}
+
+
+def _version(dist: str, module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    for name in (dist, f"{dist}-cpu", module):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def doctor_report() -> dict:
+    pkgs = {d: _version(d, m) for d, m in PACKAGES.items()}
+    cuda = None
+    if pkgs["torch"]:
+        import torch
+
+        cuda = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
+                "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    engines = {}
+    for engine, dist in ENGINES.items():
+        v = pkgs[dist]
+        why = "" if v else f"pip install {'tuneport[llamacpp]' if engine == 'llama.cpp' else dist}"
+        if engine == "exllamav3" and v and not (cuda and cuda["available"]):
+            why = "installed, but exllamav3 needs CUDA"
+        engines[engine] = {"available": bool(v) and not why, "version": v, "reason": why}
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "packages": pkgs,
+        "cuda": cuda,
+        "nvidia_smi": shutil.which("nvidia-smi") is not None,
+        "engines": engines,
+    }
+
+
+def format_doctor(r: dict) -> str:
+    lines = [f"python {r['python']} on {r['platform']}, {r['cpus']} CPUs"
+             + (f", {r['memory_bytes'] / 2**30:.1f} GiB" if r["memory_bytes"] else "")]
+    cuda = r["cuda"]
+    lines.append("cuda: " + ("not checked (no torch)" if cuda is None else
+                             (f"yes {cuda['devices']}" if cuda["available"] else "no")))
+    for name, v in r["packages"].items():
+        lines.append(f"  {name:18} {v or '-'}")
+    for name, e in r["engines"].items():
+        lines.append(f"engine {name:10} {'ok' if e['available'] else 'no'} {e['reason']}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""Compare an artifact's numbers with the fp32 transformers/PEFT reference.
+
+Metrics: max |Δlogit|, KL(ref‖art), top-1 agreement, and greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class LogitComparison:
+    max_abs: float
+    kl: float
+    top1: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_logits(ref: torch.Tensor, art: torch.Tensor) -> LogitComparison:
+    """``ref`` and ``art`` are ``[..., vocab]`` logits of the same tokens."""
+    ref, art = ref.double(), art.double()
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(art, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == art.argmax(-1)).double().mean().item()
+    return LogitComparison((ref - art).abs().max().item(), kl, top1)
+
+
+def load_hf(path: Path | str, dtype: torch.dtype = torch.float32, vocab: int | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if vocab is not None and model.get_input_embeddings().weight.shape[0] != vocab:
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+    return model.eval()
+
+
+def adapter_vocab(adapter: Path | str) -> int | None:
+    """The vocabulary the adapter was trained with, when it saved a resized embedding."""
+    from safetensors import safe_open
+
+    f = Path(adapter) / "adapter_model.safetensors"
+    with safe_open(str(f), "pt") as st:
+        for k in st.keys():
+            if k.endswith(("embed_tokens.modules_to_save.weight", "embed_tokens.base_layer.weight")):
+                return st.get_slice(k).get_shape()[0]
+    return None
+
+
+def load_peft(base: Path | str, adapter: Path | str, dtype: torch.dtype = torch.float32):
+    """The reference: transformers base + PEFT adapter, unmerged, in ``dtype``."""
+    from peft import PeftModel
+
+    model = load_hf(base, dtype, adapter_vocab(adapter))
+    return PeftModel.from_pretrained(model, str(adapter)).eval()
+
+
+@torch.no_grad()
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits.float()
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens, never stopping at EOS (engines are asked for ``ignore_eos``)."""
+    seq = torch.tensor([ids])
+    out: list[int] = []
+    past = None
+    step = seq
+    for _ in range(n):
+        res = model(step, past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        tok = int(res.logits[0, -1].argmax())
+        out.append(tok)
+        step = torch.tensor([[tok]])
+    return out

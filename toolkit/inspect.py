@@ -1,0 +1,196 @@
+"""``tuneport inspect``: what a path is and which engines can load it as is (with the reason for each no)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from convert.adapter import config_refusals, load_adapter, read_adapter_config
+from convert.arch import ARCHS, known_arch
+from convert.checkpoint import Checkpoint
+from convert.errors import UserError
+from convert.manifest import MANIFEST
+from convert.vllm_rules import preflight
+
+
+def _engine(ok: bool, why: str = "") -> dict:
+    return {"loads": ok, "reason": why}
+
+
+def _arch_from_adapter(cfg: dict):
+    cls = (cfg.get("auto_mapping") or {}).get("base_model_class", "")
+    for spec in ARCHS.values():
+        if cls in spec.hf_classes:
+            return spec
+    return None
+
+
+def inspect_adapter(path: Path) -> dict:
+    cfg = read_adapter_config(path)
+    refusals = config_refusals(cfg)
+    if refusals:
+        return {"kind": "peft-adapter", "path": str(path), "peft_type": cfg.get("peft_type"),
+                "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "unsupported": refusals,
+                "engines": {e: _engine(False, "; ".join(refusals)) for e in ("llama.cpp", "vllm", "exllamav3", "ollama")}}
+    a = load_adapter(path)
+    arch = _arch_from_adapter(cfg)
+    modules = {m.module: {"kind": m.kind, "r": m.rank, "alpha": m.alpha, "scale": round(m.scale, 6),
+                          "dora": m.magnitude is not None} for m in a.modules.values()}
+    pf = preflight(a, arch)
+    mts = a.modules_to_save
+    gguf_no = []
+    if a.use_dora:
+        gguf_no.append("DoRA has no GGUF LoRA form: merge it")
+    if mts:
+        gguf_no.append("modules_to_save has no GGUF LoRA form: merge it")
+    engines = {
+        "llama.cpp": _engine(False, "llama.cpp loads GGUF LoRA files only: "
+                             + ("; ".join(gguf_no) if gguf_no else "tuneport export --target gguf --adapters separate")),
+        "vllm": _engine(pf.ok, "; ".join(pf.problems) if pf.problems else
+                        ("accepted after lossless fixes: " + "; ".join(pf.fixes) if pf.fixes else "")),
+        "exllamav3": _engine(False, "TabbyAPI's exllamav3 backend loads no LoRA: merge, then export --target exl3"),
+        "ollama": _engine(False, "Ollama's ADAPTER needs a GGUF LoRA: tuneport export --target gguf --adapters separate"),
+    }
+    return {
+        "kind": "peft-adapter",
+        "path": str(path),
+        "architecture": arch.model_type if arch else (cfg.get("auto_mapping") or {}).get("base_model_class"),
+        "base_model": cfg.get("base_model_name_or_path"),
+        "r": cfg.get("r"),
+        "lora_alpha": cfg.get("lora_alpha"),
+        "ranks": a.ranks,
+        "targets": a.target_suffixes,
+        "modules_to_save": mts,
+        "flags": a.flags(),
+        "dtype": str(a.dtype).replace("torch.", ""),
+        "parameters": sum(m.A.numel() + m.B.numel() for m in a.modules.values()),
+        "bytes": a.file.stat().st_size if a.file else 0,
+        "modules": modules,
+        "engines": engines,
+    }
+
+
+def inspect_model(spec: str) -> dict:
+    ck = Checkpoint(spec)
+    arch = known_arch(ck.model_type)
+    manifest = ck.path / MANIFEST
+    quant = ck.quantization
+    kind = "hf-model"
+    made_by = None
+    if manifest.exists():
+        try:
+            m = json.loads(manifest.read_text())
+            made_by = {"tool": m.get("tool"), "target": m.get("target"),
+                       "adapters": [i.get("name") for i in m.get("inputs", []) if i.get("role") == "adapter"]}
+            if m.get("target") in ("merge", "safetensors", "vllm"):
+                kind = "merged-checkpoint"
+        except ValueError:
+            pass
+    if quant:
+        kind = "quantized-checkpoint"
+    vllm_ok = arch is not None or bool(set(ck.config.get("architectures") or []))
+    engines = {
+        "llama.cpp": _engine(False, "llama.cpp loads GGUF only: tuneport export --target gguf"),
+        "vllm": _engine(vllm_ok, "" if arch else "architecture not in tuneport's tables; vLLM may still load it"),
+        "exllamav3": _engine(False, "ExLlamaV3 loads EXL3 only: tuneport export --target exl3"),
+        "ollama": _engine(False, "Ollama imports GGUF: tuneport export --target gguf"),
+    }
+    return {
+        "kind": kind,
+        "path": str(ck.path),
+        "architecture": ck.model_type,
+        "hf_architectures": ck.config.get("architectures"),
+        "supported_by_tuneport": arch is not None,
+        "parameters": ck.num_parameters,
+        "dtype": str(ck.dtype).replace("torch.", ""),
+        "bytes": ck.nbytes,
+        "files": len(ck.weight_files),
+        "vocab_size": ck.config.get("vocab_size"),
+        "tied_embeddings": ck.tied_embeddings,
+        "quantization": quant,
+        "made_by": made_by,
+        "tokenizer_files": [f.name for f in ck.side_files()],
+        "engines": engines,
+    }
+
+
+def inspect_gguf(path: Path) -> dict:
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise UserError("reading GGUF needs the gguf package", "pip install 'tuneport[gguf]'") from e
+    try:
+        r = GGUFReader(str(path))
+    except Exception as e:
+        raise UserError(f"{path} is not a valid GGUF file ({type(e).__name__})", "re-export or re-download it") from e
+
+    def field(name: str):
+        f = r.fields.get(name)
+        if f is None:
+            return None
+        try:
+            return f.contents()
+        except Exception:
+            return None
+
+    is_lora = field("general.type") == "adapter"
+    types = sorted({t.tensor_type.name for t in r.tensors})
+    engines = {
+        "llama.cpp": _engine(True),
+        "vllm": _engine(False, "vLLM's GGUF loading is experimental and takes no GGUF LoRA: export --target vllm")
+        if is_lora else _engine(True, "experimental in vLLM; prefer --target vllm"),
+        "exllamav3": _engine(False, "ExLlamaV3 loads EXL3 only"),
+        "ollama": _engine(True),
+    }
+    return {
+        "kind": "gguf-lora" if is_lora else "gguf-model",
+        "path": str(path),
+        "architecture": field("general.architecture"),
+        "tensors": len(r.tensors),
+        "parameters": int(sum(int(t.n_elements) for t in r.tensors)),
+        "quant_types": types,
+        "bytes": path.stat().st_size,
+        "chat_template": field("tokenizer.chat_template") is not None,
+        "lora_alpha": field("adapter.lora.alpha") if is_lora else None,
+        "engines": engines,
+    }
+
+
+def inspect_path(spec: str) -> dict:
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return inspect_gguf(path)
+    if path.is_dir() and (path / "adapter_config.json").exists():
+        return inspect_adapter(path)
+    if path.is_dir() and not (path / "config.json").exists() and any(path.glob("adapter_model.*")):
+        read_adapter_config(path)  # raises the clear "no adapter_config.json" error
+    return inspect_model(spec)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['path']}: {r['kind']}"]
+    keys = ["architecture", "base_model", "parameters", "dtype", "bytes", "files", "vocab_size", "tied_embeddings",
+            "r", "lora_alpha", "ranks", "targets", "modules_to_save", "quant_types", "tensors", "chat_template",
+            "lora_alpha", "quantization", "made_by"]
+    for k in dict.fromkeys(keys):
+        if k in r and r[k] not in (None, [], {}):
+            v = _size(r[k]) if k == "bytes" else (f"{r[k]:,}" if k == "parameters" else r[k])
+            lines.append(f"  {k:16} {v}")
+    if r.get("flags"):
+        on = {k: v for k, v in r["flags"].items() if v not in (False, None, {}, [], "none")}
+        lines.append(f"  {'flags':16} {on or 'none'}")
+    if r.get("modules"):
+        scales = sorted({(m['r'], m['alpha'], m['scale']) for m in r["modules"].values()})
+        lines.append(f"  {'scales':16} " + ", ".join(f"r={a} alpha={b:g} -> {c:g}" for a, b, c in scales))
+    for name, e in r.get("engines", {}).items():
+        mark = "yes" if e["loads"] else "no "
+        lines.append(f"  {name:10} {mark}  {e['reason']}".rstrip())
+    return "\n".join(lines)

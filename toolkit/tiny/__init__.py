@@ -1,0 +1,40 @@
+"""Deterministic tiny models, tokenizers and PEFT adapters, built locally (no network).
+
+Used by ``tuneport demo``, the tests and the benchmarks. :class:`TinyZoo` builds each on first use
+and reuses it afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .adapters import ADDED_TOKENS, VARIANTS, Variant, make_adapter
+from .corpus import EVAL_TEXT, PROMPTS
+from .models import TINY_ARCHS, make_base
+
+__all__ = ["ADDED_TOKENS", "EVAL_TEXT", "PROMPTS", "TINY_ARCHS", "VARIANTS", "TinyZoo", "Variant",
+           "make_adapter", "make_base"]
+
+
+class TinyZoo:
+    """Tiny bases and adapters under ``root``, made on demand: ``zoo.base("llama")``, ``zoo.adapter("qwen2", "dora")``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def base(self, arch: str, dtype: str = "fp32", tied: bool = False) -> Path:
+        out = self.root / f"{arch}-{dtype}{'-tied' if tied else ''}"
+        if not (out / "config.json").exists():
+            make_base(arch, out, dtype=dtype, tied=tied)
+        return out
+
+    def adapter(self, arch: str, variant: str, dtype: str = "fp32") -> Path:
+        spec = VARIANTS[variant]
+        out = self.root / "adapters" / f"{arch}-{dtype}-{variant}"
+        if not (out / "adapter_config.json").exists():
+            make_adapter(self.base_for(arch, variant, dtype), variant, out)
+        return out
+
+    def base_for(self, arch: str, variant: str, dtype: str = "fp32") -> Path:
+        """The base an adapter variant was made on (tied bases for the tied variant)."""
+        return self.base(arch, dtype, tied=VARIANTS[variant].tied_base)
