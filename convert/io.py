@@ -92,6 +92,27 @@ def check_output_path(out: Path, force: bool) -> None:
         raise UserError(f"output path {out} already exists", "choose another --out or pass --force")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove temporary siblings of ``out`` left by a killed run (their process is gone)."""
+    removed = []
+    for p in out.parent.glob(f"{TMP_PREFIX}{out.name}-*"):
+        pid = p.name[len(f"{TMP_PREFIX}{out.name}-"):].split("-")[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory of ``out``; on success fsync and rename it to ``out``.
@@ -101,7 +122,8 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     out = Path(out).absolute()
     check_output_path(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f"{TMP_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
+    remove_stale_temporaries(out)
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp

