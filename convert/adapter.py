@@ -299,13 +299,10 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
     # embedding layers it was trained over, resized ones included) or a trained bias replaces the base.
     for module, ts in wrapped.items():
         for param in ("weight", "bias"):
-            for wrap, origin in (("modules_to_save", "modules_to_save"), ("plain", "plain"),
-                                 ("base_layer", "base_layer")):
-                t = ts.get(f"{wrap}.{param}")
-                if t is not None:
-                    break
-            if t is None:
+            origin = next((w for w in ("modules_to_save", "plain", "base_layer") if f"{w}.{param}" in ts), None)
+            if origin is None:
                 continue
+            t = ts[f"{origin}.{param}"]
             if origin == "plain":
                 leaf = module.rsplit(".", 1)[-1]
                 origin = "modules_to_save" if leaf in adapter.modules_to_save else (

@@ -65,12 +65,15 @@ def write_merged(plan: MergePlan, out: Path, max_shard_bytes: int = DEFAULT_SHAR
     writer = ShardedSafetensorsWriter(out, plan.specs, max_shard_bytes=max_shard_bytes)
     total = sum(s.nbytes for s in plan.specs)
     done = 0
-    for spec in plan.specs:
-        writer.write(spec.name, merge_one(plan, spec))
-        done += spec.nbytes
-        if progress:
-            progress(done, total, spec.name)
-    writer.close()
+    try:
+        for spec in plan.specs:
+            writer.write(spec.name, merge_one(plan, spec))
+            done += spec.nbytes
+            if progress:
+                progress(done, total, spec.name)
+        writer.close()
+    finally:
+        writer.stop()
     hashes = writer.sha256()
     (out / "config.json").write_text(json.dumps(plan.config, indent=2))
     copy_side_files(plan, out)

@@ -23,6 +23,7 @@ from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
 
 LAUNCH_JSON = "vllm_launch.json"
 LAUNCH_SH = "serve-vllm.sh"
+VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def vllm_adapter_tensors(adapter: Adapter, pf: Preflight) -> dict[str, torch.Tensor]:
@@ -115,7 +116,7 @@ def export_vllm(
     ckpt = Checkpoint(base, allow_pickle=allow_pickle)
     loaded = load_weighted(adapters, allow_pickle)
     served = Path(ckpt.spec).name or "base"
-    vllm_dtype = None if dtype == "auto" else {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
+    vllm_dtype = None if dtype == "auto" else VLLM_DTYPES.get(dtype, dtype)
     if mode == "merge":
         arch_for(ckpt.model_type)
         plan = plan_merge(ckpt, loaded, dtype)
@@ -144,7 +145,7 @@ def export_vllm(
             if progress:
                 progress(done, total, f.name)
         paths = {}
-        for w, pf in zip(loaded, results):
+        for w, pf in zip(loaded, results, strict=True):
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
             paths[w.adapter.name] = f"adapters/{w.adapter.name}"
         write_launch(tmp, launch_args("base", served, paths, max_rank, vllm_dtype))

@@ -7,8 +7,10 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import shutil
 import struct
+import threading
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -46,24 +48,35 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 
 
 _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuneport-sha256")
+_FSYNC_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuneport-fsync")
 atexit.register(_HASH_POOL.shutdown, wait=False)
+atexit.register(_FSYNC_POOL.shutdown, wait=False)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class OrderedHasher:
     """sha256 of bytes fed in file order, computed on a background thread (hashlib releases the GIL),
     so hashing what is read or written anyway costs no extra I/O and little wall time."""
 
-    MAX_PENDING_BYTES = 256 << 20  # bound what waits to be hashed (it stays in memory until then)
+    MAX_PENDING_BYTES = 64 << 20  # bound what waits to be hashed (it stays in memory until then)
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._h = hashlib.sha256()
         self._pending: deque[tuple[Future, int]] = deque()
         self._pending_bytes = 0
+        self.max_pending_bytes = max_pending_bytes
         self.pos = 0
 
     def update(self, data: memoryview | bytes) -> None:
         self.pos += len(data)
-        while self._pending and self._pending_bytes + len(data) > self.MAX_PENDING_BYTES:
+        while self._pending and self._pending_bytes + len(data) > self.max_pending_bytes:
             fut, n = self._pending.popleft()
             fut.result()
             self._pending_bytes -= n
@@ -75,6 +88,44 @@ class OrderedHasher:
             self._pending.popleft()[0].result()
         self._pending_bytes = 0
         return self._h.hexdigest()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TUNEPORT_CACHE_DIR", Path.home() / ".cache" / "tuneport"))
+
+
+class HashCache:
+    """sha256 of input files, remembered by (path, size, mtime): merging many adapters into one base
+    hashes the base once. Set TUNEPORT_CACHE_DIR to move it; delete the file to forget."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or cache_dir() / "sha256.json"
+
+    @staticmethod
+    def _key(p: Path) -> tuple[str, int, int]:
+        st = p.stat()
+        return str(p.resolve()), st.st_size, st.st_mtime_ns
+
+    def _load(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, p: Path) -> str | None:
+        name, size, mtime = self._key(p)
+        e = self._load().get(name)
+        return e["sha256"] if e and e.get("size") == size and e.get("mtime_ns") == mtime else None
+
+    def put(self, p: Path, digest: str) -> None:
+        name, size, mtime = self._key(p)
+        with contextlib.suppress(OSError):
+            data = self._load()
+            data[name] = {"size": size, "mtime_ns": mtime, "sha256": digest}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self.path)
 
 
 def fsync_dir(path: Path) -> None:
@@ -167,7 +218,9 @@ class _Shard:
     specs: list[TensorSpec]
     offsets: dict[str, int] = field(default_factory=dict)  # absolute file offsets of tensor data
     written: set[str] = field(default_factory=set)
-    hasher: OrderedHasher = field(default_factory=OrderedHasher)
+    # one buffer pending: tensor i is hashed while tensor i+1 is written
+    hasher: OrderedHasher = field(default_factory=lambda: OrderedHasher(max_pending_bytes=1))
+    fsynced: Future | None = None
     in_order: bool = True
 
 
@@ -216,6 +269,10 @@ class ShardedSafetensorsWriter:
             for s in group:
                 self.where[s.name] = shard
         self.specs = {s.name: s for s in specs}
+        self._queue: queue.Queue = queue.Queue()
+        self._slot = threading.Semaphore(1)  # one tensor in flight: bounded memory
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     @staticmethod
     def _write_header(shard: _Shard, metadata: dict[str, str]) -> None:
@@ -241,33 +298,76 @@ class ShardedSafetensorsWriter:
         shard.offsets = {k: base + v for k, v in rel.items()}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Hand ``tensor`` to a background thread that writes and hashes it (and fsyncs each finished
+        shard) while the caller computes the next one. Waits until the previous tensor is written, so
+        at most one tensor is in flight."""
         spec = self.specs[name]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(
                 f"{name}: planned {spec.dtype}{list(spec.shape)}, got {tensor.dtype}{list(tensor.shape)}"
             )
+        self._raise_thread_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain, name="tuneport-writer", daemon=True)
+            self._thread.start()
+        self._slot.acquire()
+        self._queue.put((name, tensor.detach().contiguous()))
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._write_now(*item)
+                except BaseException as e:  # reported on the caller's next write() or close()
+                    self._error = e
+            del item
+            self._slot.release()
+
+    def _raise_thread_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _write_now(self, name: str, tensor: torch.Tensor) -> None:
         shard = self.where[name]
-        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         offset = shard.offsets[name]
         fd = os.open(shard.path, os.O_WRONLY)
         try:
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], offset + done)
+            shard.written.add(name)
         finally:
             os.close(fd)
-        shard.written.add(name)
+        if len(shard.written) == len(shard.specs):  # complete: flush it while later shards are computed
+            shard.fsynced = _FSYNC_POOL.submit(fsync_path, shard.path)
         if shard.in_order and offset == shard.hasher.pos:
             shard.hasher.update(data)
         else:
             shard.in_order = False
+
+    def stop(self) -> None:
+        """End the writer thread without raising (after a failure elsewhere)."""
+        with contextlib.suppress(BaseException):
+            self._finish_thread()
+
+    def _finish_thread(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        for shard in self.shards:
+            if shard.fsynced is not None:
+                shard.fsynced.result()
+        self._raise_thread_error()
 
     def sha256(self) -> dict[Path, str]:
         """sha256 of every shard: from the in-order stream when possible, else by reading the file."""
         return {sh.path: sh.hasher.hexdigest() if sh.in_order else sha256_file(sh.path) for sh in self.shards}
 
     def close(self) -> list[Path]:
-        """Check every planned tensor was written; write the index json for sharded output."""
+        """Wait for queued writes; check every planned tensor was written; write the index json."""
+        self._finish_thread()
         missing = [s.name for sh in self.shards for s in sh.specs if s.name not in sh.written]
         if missing:
             raise RuntimeError(f"tensors planned but never written: {missing[:5]}")

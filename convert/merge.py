@@ -163,7 +163,15 @@ def merged_tensors(plan: MergePlan) -> Iterator[tuple[str, torch.Tensor]]:
         yield spec.name, merge_one(plan, spec)
 
 
+CHUNK_BYTES = 4 << 20  # rows are merged in fp32 blocks of about this size, which stay in cache
+
+
 def merge_one(plan: MergePlan, spec: TensorSpec) -> torch.Tensor:
+    """The output tensor ``spec.name``: base (or replacement) + weighted LoRA deltas, DoRA, LoRA biases.
+
+    Work is done in fp32 over blocks of rows and cast once into a fresh output tensor; the tensor read
+    from disk is never modified (it may still be being hashed).
+    """
     name = spec.name
     t = plan.base.read(plan.source[name])
     replacing = [(w, w.adapter.replacements[name]) for w in plan.adapters if name in w.adapter.replacements]
@@ -175,18 +183,42 @@ def merge_one(plan: MergePlan, spec: TensorSpec) -> torch.Tensor:
     mods = [(w.weight, w.adapter.modules[name]) for w in plan.adapters if name in w.adapter.modules]
     bias_mods = [(w.weight, m) for w in plan.adapters for m in w.adapter.modules.values()
                  if m.bias is not None and f"{m.module}.bias" == name]
-    if mods or bias_mods:
-        w32 = t.float() if t.dtype != torch.float32 else t.clone()
-        for weight, mod in mods:
-            if mod.kind == "linear" and not mod.fan_in_fan_out:
-                w32.addmm_(mod.B.float(), mod.A.float(), alpha=mod.scale * weight)
-            else:
-                w32.add_(mod.delta(), alpha=weight)
-            if mod.magnitude is not None:  # DoRA, PEFT's norm over the input dim of [out, in]
-                rows = w32.T if mod.fan_in_fan_out else w32
-                norm = torch.linalg.norm(rows, dim=1)
-                rows.mul_((mod.magnitude.float() / norm).view(-1, 1))
+    if bias_mods:
+        b32 = t.float().clone()
         for weight, mod in bias_mods:
-            w32.add_(mod.bias.float(), alpha=mod.scale * weight)
-        t = w32
+            b32.add_(mod.bias.float(), alpha=mod.scale * weight)
+        t = b32
+    if mods:
+        return _apply_lora(t, mods, spec.dtype)
     return t.to(spec.dtype) if t.dtype != spec.dtype else t
+
+
+def _apply_lora(t: torch.Tensor, mods: list, dtype: torch.dtype) -> torch.Tensor:
+    """``t + Σ weight·scale·L@R`` (then DoRA) in fp32 row blocks, written into a new ``dtype`` tensor."""
+    # delta = L @ R with rows matching t's rows: B @ A, or Aᵀ @ Bᵀ for embeddings / fan_in_fan_out.
+    factors = []
+    for weight, mod in mods:
+        transposed = mod.kind == "embedding" or mod.fan_in_fan_out
+        left, right = (mod.A.float().T, mod.B.float().T) if transposed else (mod.B.float(), mod.A.float())
+        factors.append((left, right, mod.scale * weight, mod.magnitude, transposed))
+    dora_transposed = any(f[3] is not None and f[4] for f in factors)
+    if dora_transposed:  # DoRA norms run over the other axis: merge the whole tensor at once
+        w32 = t.float().clone()
+        for left, right, alpha, _, _ in factors:
+            w32.addmm_(left, right, alpha=alpha)
+        for _, _, _, magnitude, _ in factors:
+            if magnitude is not None:
+                w32.T.mul_((magnitude.float() / torch.linalg.norm(w32.T, dim=1)).view(-1, 1))
+        return w32.to(dtype)
+    out = torch.empty(t.shape, dtype=dtype)
+    rows = max(1, CHUNK_BYTES // (4 * max(1, t.shape[1])))
+    for i in range(0, t.shape[0], rows):
+        j = min(i + rows, t.shape[0])
+        w32 = t[i:j].to(torch.float32, copy=True)
+        for left, right, alpha, _, _ in factors:
+            w32.addmm_(left[i:j], right, alpha=alpha)
+        for _, _, _, magnitude, _ in factors:
+            if magnitude is not None:  # DoRA, PEFT's norm over the input dim of [out, in]
+                w32.mul_((magnitude[i:j].float() / torch.linalg.norm(w32, dim=1)).view(-1, 1))
+        out[i:j].copy_(w32)
+    return out

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .io import ST_DTYPES, OrderedHasher, sha256_file
+from .io import ST_DTYPES, HashCache, OrderedHasher, sha256_file
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 
@@ -65,8 +65,10 @@ class SafetensorsFile:
         except (ValueError, UnicodeDecodeError) as e:
             raise _bad(self.path, f"corrupt header JSON: {str(e)[:80]}") from e
         self.size = size
+        self._known_sha256 = HashCache().get(self.path)
         self._hasher = OrderedHasher()
-        self._hasher.update(head + raw)
+        if self._known_sha256 is None:
+            self._hasher.update(head + raw)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         base = 8 + n
         self.tensors: dict[str, TensorInfo] = {}
@@ -99,12 +101,14 @@ class SafetensorsFile:
                     done += got
             finally:
                 os.close(fd)
-            if info.start == self._hasher.pos:
+            if self._known_sha256 is None and info.start == self._hasher.pos:
                 self._hasher.update(buf)
         return out
 
     def sha256(self) -> str:
         """sha256 of the file; free when every tensor was read in file order, else read again."""
-        if self._hasher.pos == self.size:
-            return self._hasher.hexdigest()
-        return sha256_file(self.path)
+        if self._known_sha256 is None:
+            digest = self._hasher.hexdigest() if self._hasher.pos == self.size else sha256_file(self.path)
+            HashCache().put(self.path, digest)
+            self._known_sha256 = digest
+        return self._known_sha256

@@ -65,8 +65,9 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
     for name, origin in adapter.replacement_origin.items():
         if origin != "base_layer":
             continue
-        same = (base is not None and name in base and tuple(base.meta(name).shape) == tuple(adapter.replacements[name].shape)
-                and torch.equal(base.read(name).to(adapter.replacements[name].dtype), adapter.replacements[name]))
+        saved = adapter.replacements[name]
+        same = (base is not None and name in base and tuple(base.meta(name).shape) == tuple(saved.shape)
+                and torch.equal(base.read(name).to(saved.dtype), saved))
         if same:
             pf.drop_tensors.add(name)
         else:

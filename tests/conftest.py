@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from toolkit.tiny import TinyZoo
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TUNEPORT_CACHE_DIR", tempfile.mkdtemp(prefix="tuneport-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -165,7 +165,8 @@ def test_unsupported_peft_flags_are_refused(zoo, tmp_path, cli, key, value, expe
 
 def test_missing_base_is_a_clear_error(tmp_path, cli, zoo):
     out = tmp_path / "out"
-    assert_refused(cli, out, *merge_args(tmp_path / "nope", zoo.adapter("llama", "plain"), out), expect="does not exist")
+    args = merge_args(tmp_path / "nope", zoo.adapter("llama", "plain"), out)
+    assert_refused(cli, out, *args, expect="does not exist")
 
 
 def test_unsupported_architecture_for_vllm_lists_supported(zoo, tmp_path, cli):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import ARCHS
+
 from convert.export_hf import AdapterArg, merge_to_dir
 from toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
 from toolkit.tiny import VARIANTS

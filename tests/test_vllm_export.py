@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ARCHS
+
 from toolkit.fidelity import greedy, load_peft
 from toolkit.tiny import PROMPTS, VARIANTS
 
@@ -72,7 +72,7 @@ def test_vllm_serves_bundle_and_merged_like_peft(zoo, tmp_path, cli, arch):
 
     results = run_vllm(jobs, tmp_path)
     mismatches = []
-    for job, got, want in zip(jobs, results, expected):
+    for job, got, want in zip(jobs, results, expected, strict=True):
         for name, toks in want.items():
             if got[name] != toks:
                 mismatches.append((job.get("bundle") or job["model"], name, got[name], toks))

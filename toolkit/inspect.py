@@ -31,7 +31,8 @@ def inspect_adapter(path: Path) -> dict:
     if refusals:
         return {"kind": "peft-adapter", "path": str(path), "peft_type": cfg.get("peft_type"),
                 "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "unsupported": refusals,
-                "engines": {e: _engine(False, "; ".join(refusals)) for e in ("llama.cpp", "vllm", "exllamav3", "ollama")}}
+                "engines": {e: _engine(False, "; ".join(refusals))
+                            for e in ("llama.cpp", "vllm", "exllamav3", "ollama")}}
     a = load_adapter(path)
     arch = _arch_from_adapter(cfg)
     modules = {m.module: {"kind": m.kind, "r": m.rank, "alpha": m.alpha, "scale": round(m.scale, 6),
@@ -44,12 +45,13 @@ def inspect_adapter(path: Path) -> dict:
     if mts:
         gguf_no.append("modules_to_save has no GGUF LoRA form: merge it")
     engines = {
-        "llama.cpp": _engine(False, "llama.cpp loads GGUF LoRA files only: "
-                             + ("; ".join(gguf_no) if gguf_no else "tuneport export --target gguf --adapters separate")),
+        "llama.cpp": _engine(False, "llama.cpp loads GGUF LoRA files only: " + (
+            "; ".join(gguf_no) if gguf_no else "tuneport export --target gguf --adapters separate")),
         "vllm": _engine(pf.ok, "; ".join(pf.problems) if pf.problems else
                         ("accepted after lossless fixes: " + "; ".join(pf.fixes) if pf.fixes else "")),
         "exllamav3": _engine(False, "TabbyAPI's exllamav3 backend loads no LoRA: merge, then export --target exl3"),
-        "ollama": _engine(False, "Ollama's ADAPTER needs a GGUF LoRA: tuneport export --target gguf --adapters separate"),
+        "ollama": _engine(False,
+                          "Ollama's ADAPTER needs a GGUF LoRA: tuneport export --target gguf --adapters separate"),
     }
     return {
         "kind": "peft-adapter",

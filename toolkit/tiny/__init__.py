@@ -17,7 +17,10 @@ __all__ = ["ADDED_TOKENS", "EVAL_TEXT", "PROMPTS", "TINY_ARCHS", "VARIANTS", "Ti
 
 
 class TinyZoo:
-    """Tiny bases and adapters under ``root``, made on demand: ``zoo.base("llama")``, ``zoo.adapter("qwen2", "dora")``."""
+    """Tiny bases and adapters under ``root``, made on demand.
+
+    ``zoo.base("llama")``, ``zoo.adapter("qwen2", "dora")``.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -29,7 +32,6 @@ class TinyZoo:
         return out
 
     def adapter(self, arch: str, variant: str, dtype: str = "fp32") -> Path:
-        spec = VARIANTS[variant]
         out = self.root / "adapters" / f"{arch}-{dtype}-{variant}"
         if not (out / "adapter_config.json").exists():
             make_adapter(self.base_for(arch, variant, dtype), variant, out)

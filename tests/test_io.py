@@ -1,0 +1,95 @@
+"""The streaming writer, the validating reader and the hashes they compute on the way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from convert.errors import UserError
+from convert.io import ShardedSafetensorsWriter, TensorSpec, atomic_dir, plan_shards
+from convert.safetensors_file import SafetensorsFile
+
+
+def specs():
+    return [TensorSpec(f"t{i}", dt, (3 + i, 5)) for i, dt in
+            enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.int64])]
+
+
+def tensors():
+    gen = torch.Generator().manual_seed(0)
+    return {s.name: (torch.randn(s.shape, generator=gen) * 10).to(s.dtype) for s in specs()}
+
+
+def test_writer_roundtrip_shards_index_and_hashes(tmp_path):
+    w = ShardedSafetensorsWriter(tmp_path, specs(), max_shard_bytes=150)
+    ts = tensors()
+    for name, t in ts.items():
+        w.write(name, t)
+    files = w.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(w.shards) > 1 and set(index["weight_map"]) == set(ts)
+    loaded = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            loaded.update(load_file(f))
+    for name, t in ts.items():
+        assert torch.equal(loaded[name], t)
+    for path, digest in w.sha256().items():
+        assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_out_of_order_writes_still_hash_right(tmp_path):
+    w = ShardedSafetensorsWriter(tmp_path, specs())
+    for name, t in reversed(list(tensors().items())):
+        w.write(name, t)
+    w.close()
+    (path, digest), = w.sha256().items()
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_reader_reads_and_hashes_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    w = ShardedSafetensorsWriter(tmp_path, specs())
+    ts = tensors()
+    for name, t in ts.items():
+        w.write(name, t)
+    w.close()
+    f = SafetensorsFile(tmp_path / "model.safetensors")
+    for name in f.tensors:
+        assert torch.equal(f.read(name), ts[name])
+    want = hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    assert f.sha256() == want
+    assert SafetensorsFile(tmp_path / "model.safetensors").sha256() == want  # from the cache now
+
+
+def test_writer_refuses_wrong_shape(tmp_path):
+    w = ShardedSafetensorsWriter(tmp_path, specs())
+    with pytest.raises(ValueError):
+        w.write("t0", torch.zeros(2, 2))
+
+
+def test_plan_shards_keeps_order_and_limit():
+    s = [TensorSpec(f"t{i}", torch.float32, (10,)) for i in range(10)]  # 40 bytes each
+    groups = plan_shards(s, 100)
+    assert [x.name for g in groups for x in g] == [x.name for x in s]
+    assert all(sum(x.nbytes for x in g) <= 100 for g in groups)
+
+
+def test_atomic_dir_failure_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        (tmp / "partial").write_text("x")
+        raise RuntimeError("boom")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_reader_rejects_overlapping_offsets(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    with pytest.raises(UserError, match="has 8 bytes for shape"):
+        SafetensorsFile(bad)
