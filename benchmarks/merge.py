@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def make_adapter(out: Path, specs: list[TensorSpec], r: int = 16) -> int:
 
 TUNEPORT = """
 from toolkit.cli import main
-rc = main(['merge', '--base', {base!r}, '--adapter', {adapter!r}, '--out', {out!r}, '--force'])
+rc = main(['merge', '--base', {base!r}, '--adapter', {adapter!r}, '--out', {out!r}])
 assert rc == 0
 """
 PEFT = """
@@ -111,20 +112,32 @@ def main() -> None:
           f"in {info['shards']} shards; largest tensor {info['largest'] / 2**20:.0f} MiB; "
           f"adapter {adapter_bytes / 2**20:.0f} MiB (r=16, all-linear)")
 
+    def settle(*paths: Path) -> None:
+        """Remove earlier outputs and flush dirty pages, so no run pays for the one before it."""
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+
     env = {**os.environ, "TUNEPORT_CACHE_DIR": str(work / "cache"), "OMP_NUM_THREADS": str(os.cpu_count())}
     run_cmd(["cp", "-r", str(base), str(work / "warm")])  # warm the page cache, as every run below sees it
     shutil.rmtree(work / "warm")
-    cp_s = min(run_cmd(["cp", "-r", str(base), str(work / f"cp{i}")]) for i in range(2))
-    cp_sync_s = run_cmd(f"cp -r {base} {work / 'cp-sync'} && sync", shell=True)
-    for p in work.glob("cp*"):
-        shutil.rmtree(p)
+    cp_runs = []
+    for _ in range(2):
+        settle(work / "cp")
+        cp_runs.append(run_cmd(["cp", "-r", str(base), str(work / "cp")]))
+    cp_s = min(cp_runs)
+    settle(work / "cp")
+    cp_sync_s = run_cmd(f"cp -r {base} {work / 'cp'} && sync", shell=True)
+    settle(work / "cp")
     interp = run_python(IMPORTS, env)
     results = {"interpreter": interp}
-    results["tuneport (first: hashes the base)"] = run_python(TUNEPORT.format(base=str(base), adapter=str(adapter),
-                                                                             out=str(work / "tp")), env)
-    results["tuneport (base hash cached)"] = run_python(TUNEPORT.format(base=str(base), adapter=str(adapter),
-                                                                       out=str(work / "tp")), env)
+    tp = TUNEPORT.format(base=str(base), adapter=str(adapter), out=str(work / "tp"))
+    settle(work / "tp")
+    results["tuneport (first: hashes the base)"] = run_python(tp, env)
+    settle(work / "tp")
+    results["tuneport (base hash cached)"] = run_python(tp, env)
     if not args.skip_peft:
+        settle(work / "peft")
         results["PEFT merge_and_unload + save"] = run_python(PEFT.format(base=str(base), adapter=str(adapter),
                                                                         out=str(work / "peft")), env)
 

@@ -12,7 +12,6 @@ import shutil
 import struct
 import threading
 import uuid
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-_HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuneport-sha256")
+_HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tuneport-sha256")
 _FSYNC_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuneport-fsync")
 atexit.register(_HASH_POOL.shutdown, wait=False)
 atexit.register(_FSYNC_POOL.shutdown, wait=False)
@@ -63,30 +62,27 @@ def fsync_path(path: Path) -> None:
 
 class OrderedHasher:
     """sha256 of bytes fed in file order, computed on a background thread (hashlib releases the GIL),
-    so hashing what is read or written anyway costs no extra I/O and little wall time."""
+    so hashing what is read or written anyway costs no extra I/O and little wall time.
 
-    MAX_PENDING_BYTES = 64 << 20  # bound what waits to be hashed (it stays in memory until then)
+    One buffer is hashed while the caller works on the next; ``update`` waits for the previous one,
+    which bounds memory to one buffer per hasher.
+    """
 
-    def __init__(self, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+    def __init__(self) -> None:
         self._h = hashlib.sha256()
-        self._pending: deque[tuple[Future, int]] = deque()
-        self._pending_bytes = 0
-        self.max_pending_bytes = max_pending_bytes
+        self._pending: Future | None = None
         self.pos = 0
 
     def update(self, data: memoryview | bytes) -> None:
         self.pos += len(data)
-        while self._pending and self._pending_bytes + len(data) > self.max_pending_bytes:
-            fut, n = self._pending.popleft()
-            fut.result()
-            self._pending_bytes -= n
-        self._pending.append((_HASH_POOL.submit(self._h.update, data), len(data)))
-        self._pending_bytes += len(data)
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = _HASH_POOL.submit(self._h.update, data)
 
     def hexdigest(self) -> str:
-        while self._pending:
-            self._pending.popleft()[0].result()
-        self._pending_bytes = 0
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
         return self._h.hexdigest()
 
 
@@ -218,8 +214,7 @@ class _Shard:
     specs: list[TensorSpec]
     offsets: dict[str, int] = field(default_factory=dict)  # absolute file offsets of tensor data
     written: set[str] = field(default_factory=set)
-    # one buffer pending: tensor i is hashed while tensor i+1 is written
-    hasher: OrderedHasher = field(default_factory=lambda: OrderedHasher(max_pending_bytes=1))
+    hasher: OrderedHasher = field(default_factory=OrderedHasher)  # hashes tensor i while i+1 is written
     fsynced: Future | None = None
     in_order: bool = True
 
