@@ -100,16 +100,21 @@ def export(
     quant: Annotated[str | None, typer.Option("--quant", help="Quantization type(s), comma-separated")] = None,
     dtype: Annotated[DType, typer.Option("--dtype")] = DType.auto,
     max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank", help="vLLM rank limit to check")] = None,
+    bpe_pre: Annotated[str | None, typer.Option("--bpe-pre", help="GGUF: llama.cpp pre-tokenizer name")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="GGUF: file name stem (default: base dir name)")] = None,
     force: Annotated[bool, typer.Option("--force")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Export for an engine: safetensors (merged HF dir) or vllm (merged, or base + vLLM-ready adapters)."""
+    """Export for an engine: safetensors (merged HF dir), vllm (merged, or base + vLLM-ready adapters),
+    gguf (llama.cpp model per --quant type, GGUF LoRAs with --adapters separate, Ollama Modelfiles)."""
     from convert.export_hf import AdapterArg, merge_to_dir
     from convert.export_vllm import LAUNCH_SH, export_vllm
     from toolkit.progress import byte_progress
 
     args = [AdapterArg.parse(a) for a in adapter or []]
+    if (bpe_pre or name) and target is not Target.gguf:
+        raise UserError("--bpe-pre and --name apply to --target gguf only", "drop them")
     if quant and target in (Target.safetensors, Target.vllm):
         raise UserError(f"--quant does not apply to --target {target.value}", "drop --quant, or use --target gguf")
     with byte_progress(f"export {target.value}", not as_json) as progress:
@@ -122,17 +127,25 @@ def export(
         elif target is Target.vllm:
             manifest = export_vllm(base, args, out, adapters.value, dtype.value, force, allow_pickle, progress,
                                    max_lora_rank)
+        elif target is Target.gguf:
+            from convert.gguf.export import export_gguf
+
+            manifest = export_gguf(base, args, out, adapters.value, quant, bpe_pre, name, force, allow_pickle,
+                                   progress)
         else:
             raise UserError(f"--target {target.value} is not available in this version of tuneport",
-                            "available targets: safetensors, vllm")
+                            "available targets: safetensors, vllm, gguf")
     fixes = manifest.get("fixes", {})
     human = f"exported {target.value} ({adapters.value}) to {out}"
     for name, fx in fixes.items():
         human += "".join(f"\n  {name}: fixed: {f}" for f in fx)
     if target is Target.vllm:
         human += f"\n  serve it with: {Path(out) / LAUNCH_SH}"
+    for w in manifest.get("warnings", []):
+        human += f"\n  warning: {w}"
+    extra = {k: manifest[k] for k in ("models", "loras", "folded_scales", "warnings") if k in manifest}
     emit({"out": str(out), "target": target.value, "adapters": adapters.value, "fixes": fixes,
-          "outputs": manifest["outputs"]}, as_json, human)
+          "outputs": manifest["outputs"], **extra}, as_json, human)
 
 
 @app.command()

@@ -78,3 +78,24 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
         out.append(tok)
         step = torch.tensor([[tok]])
     return out
+
+
+def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int = 128):
+    """llama.cpp (llama-cpp-python) set up for parity runs: F32 KV cache, flash attention off,
+    logits for every position. Close it with ``.close()``."""
+    import llama_cpp
+
+    from convert.gguf.quantize import quiet_llamacpp
+
+    with quiet_llamacpp():
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                               type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
+                               n_gpu_layers=0, lora_path=str(lora) if lora else None, verbose=False, n_threads=2)
+
+
+def llamacpp_logits(llm, ids: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(ids)
+    import numpy as np
+
+    return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .adapters import ADDED_TOKENS, VARIANTS, Variant, make_adapter
 from .corpus import EVAL_TEXT, PROMPTS
-from .models import TINY_ARCHS, make_base
+from .models import TINY_ARCHS, WIDE_DIMS, make_base
 
 __all__ = ["ADDED_TOKENS", "EVAL_TEXT", "PROMPTS", "TINY_ARCHS", "VARIANTS", "TinyZoo", "Variant",
            "make_adapter", "make_base"]
@@ -25,18 +25,19 @@ class TinyZoo:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
-    def base(self, arch: str, dtype: str = "fp32", tied: bool = False) -> Path:
-        out = self.root / f"{arch}-{dtype}{'-tied' if tied else ''}"
+    def base(self, arch: str, dtype: str = "fp32", tied: bool = False, wide: bool = False) -> Path:
+        """``wide``: hidden 256 / intermediate 512, so every row suits llama.cpp's K-quants (blocks of 256)."""
+        out = self.root / f"{arch}-{dtype}{'-tied' if tied else ''}{'-wide' if wide else ''}"
         if not (out / "config.json").exists():
-            make_base(arch, out, dtype=dtype, tied=tied)
+            make_base(arch, out, dtype=dtype, tied=tied, dims=WIDE_DIMS if wide else None)
         return out
 
-    def adapter(self, arch: str, variant: str, dtype: str = "fp32") -> Path:
-        out = self.root / "adapters" / f"{arch}-{dtype}-{variant}"
+    def adapter(self, arch: str, variant: str, dtype: str = "fp32", wide: bool = False) -> Path:
+        out = self.root / "adapters" / f"{arch}-{dtype}-{variant}{'-wide' if wide else ''}"
         if not (out / "adapter_config.json").exists():
-            make_adapter(self.base_for(arch, variant, dtype), variant, out)
+            make_adapter(self.base_for(arch, variant, dtype, wide), variant, out)
         return out
 
-    def base_for(self, arch: str, variant: str, dtype: str = "fp32") -> Path:
+    def base_for(self, arch: str, variant: str, dtype: str = "fp32", wide: bool = False) -> Path:
         """The base an adapter variant was made on (tied bases for the tied variant)."""
-        return self.base(arch, dtype, tied=VARIANTS[variant].tied_base)
+        return self.base(arch, dtype, tied=VARIANTS[variant].tied_base, wide=wide)

@@ -40,6 +40,8 @@ TINY_DIMS = dict(
     initializer_range=0.08,
 )
 
+WIDE_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

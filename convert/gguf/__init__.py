@@ -1,0 +1,1 @@
+"""GGUF for llama.cpp: model writer, LoRA writer, vocabulary, quantization, Ollama Modelfile."""

@@ -1,0 +1,120 @@
+"""``export --target gguf``: model file(s) per quant type, GGUF LoRAs, Ollama Modelfiles, manifest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..arch import arch_for
+from ..checkpoint import Checkpoint
+from ..errors import UserError
+from ..export_hf import AdapterArg, Progress, copy_side_files, load_weighted, merge_inputs
+from ..io import atomic_dir, check_output_path
+from ..manifest import write_manifest
+from ..merge import MergePlan, merge_one, plan_merge
+from .lora import build_gguf_lora, write_gguf_lora
+from .model import GGUFModelPlan, gguf_arch_for, plan_gguf_model, write_gguf_models
+from .modelfile import modelfile
+from .quant_types import QUANT_TYPES, QuantType, parse_quant_list
+from .quantize import quantize_with_llamacpp
+from .vocab import read_vocab
+
+LOSSLESS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def lossless_type(dtype: torch.dtype) -> QuantType:
+    return QUANT_TYPES[LOSSLESS.get(dtype, "f32")]
+
+
+def export_gguf(
+    base: str | Path,
+    adapters: list[AdapterArg],
+    out: Path,
+    mode: str = "merge",
+    quant: str | None = None,
+    bpe_pre: str | None = None,
+    name: str | None = None,
+    force: bool = False,
+    allow_pickle: bool = False,
+    progress: Progress | None = None,
+) -> dict:
+    """Write ``out/<name>-<QUANT>.gguf`` for every type (one conversion feeds them all), GGUF LoRAs under
+    ``adapters/`` for ``--adapters separate``, a Modelfile per model/adapter, and manifest.json."""
+    if mode not in ("merge", "separate"):
+        raise UserError(f"unknown --adapters {mode!r}", "use merge or separate")
+    out = Path(out)
+    check_output_path(out, force)
+    quants = parse_quant_list(quant)
+    ckpt = Checkpoint(base, allow_pickle=allow_pickle)
+    arch = arch_for(ckpt.model_type)
+    gguf_arch_for(arch)
+    loaded = load_weighted(adapters, allow_pickle)
+    name = name or Path(ckpt.spec).name or "model"
+    if mode == "merge" or not loaded:
+        plan = plan_merge(ckpt, loaded if mode == "merge" else [])
+        loras = []
+    else:
+        plan = plan_merge(ckpt, [])
+        loras = [(w.adapter, build_gguf_lora(w.adapter, ckpt, arch)) for w in loaded]  # refuses before writing
+    specs = {s.name: s for s in plan.specs}
+    src_dtype = max((s.dtype for s in plan.specs if s.dtype.is_floating_point and len(s.shape) == 2),
+                    key=lambda d: torch.empty((), dtype=d).element_size(), default=torch.float32)
+    lossless = lossless_type(src_dtype)
+    direct = [q for q in quants if q.direct]
+    via_llamacpp = [q for q in quants if not q.direct]
+    if via_llamacpp and lossless not in direct:
+        direct = [lossless, *direct]
+
+    with atomic_dir(out, force=force) as tmp:
+        scratch = tmp / ".scratch"  # intermediate files; removed before the output is renamed into place
+        tok_dir = scratch / "tokenizer"
+        tok_dir.mkdir(parents=True)
+        copy_side_files(plan, tok_dir)
+        n_vocab = plan.specs[[s.name for s in plan.specs].index(f"{arch.embed}.weight")].shape[0]
+        vocab = read_vocab(tok_dir, n_vocab, bpe_pre)
+        shapes = [(s.name, s.shape) for s in plan.specs]
+        files: dict[str, Path] = {}
+        targets: list[tuple[Path, GGUFModelPlan, int]] = []
+        for q in direct:
+            path = (tmp if q in quants else scratch) / f"{name}-{q.label}.gguf"
+            files[q.name] = path
+            targets.append((path, plan_gguf_model(arch, plan.config, shapes, q.direct), q.ftype))
+        write_gguf_models(targets, vocab, lambda n: _read(plan, specs, n), name, progress)
+        for q in via_llamacpp:
+            files[q.name] = tmp / f"{name}-{q.label}.gguf"
+            quantize_with_llamacpp(files[lossless.name], files[q.name], q)
+        warnings: list[str] = []
+        lora_files = {}
+        if loras:
+            (tmp / "adapters").mkdir()
+        for adapter, lora in loras:
+            path = tmp / "adapters" / f"{adapter.name}-F32.gguf"
+            write_gguf_lora(path, lora, arch, adapter.name)
+            lora_files[adapter.name] = path
+        shutil.rmtree(scratch)
+        main = quants[0]
+        eos = vocab.tokens[vocab.special["eos"]] if "eos" in vocab.special else None
+        text, warn = modelfile(files[main.name].name, vocab.chat_template, eos=eos)
+        (tmp / "Modelfile").write_text(text)
+        warnings += [warn] if warn else []
+        for aname, path in lora_files.items():
+            text, _ = modelfile(files[main.name].name, vocab.chat_template, f"adapters/{path.name}", eos=eos)
+            (tmp / f"Modelfile.{aname}").write_text(text)
+        inputs = merge_inputs(plan) if mode == "merge" else merge_inputs(plan) + [
+            {"role": "adapter", "name": a.name, "path": str(a.path)} for a, _ in loras]
+        manifest = write_manifest(tmp, "gguf", inputs, {
+            "adapters": mode, "quant": [q.name for q in quants],
+            "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
+            "notes": plan.notes}, extra={
+            "models": {q.name: files[q.name].name for q in quants},
+            "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
+            "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded},
+            "warnings": warnings})
+    return manifest
+
+
+def _read(plan: MergePlan, specs: dict, name: str) -> torch.Tensor:
+    return merge_one(plan, specs[name])
+

@@ -1,0 +1,112 @@
+"""PEFT adapter -> GGUF LoRA (``general.type=adapter``) that llama.cpp applies with PEFT's strength.
+
+llama.cpp scales every module by ``adapter.lora.alpha / r`` with r read from the tensor shape. The file
+alpha is chosen so that this is PEFT's scale (rsLoRA: ``alpha·sqrt(r)``); where modules differ
+(rank/alpha patterns) each module's true scale is folded into its ``lora_b``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..adapter import Adapter
+from ..arch import ArchSpec
+from ..checkpoint import Checkpoint
+from ..errors import UserError
+from ..merge import WeightedAdapter, plan_merge
+from .model import gguf_arch_for, permute_qk
+
+MERGE_HINT = "use --adapters merge"
+
+
+@dataclass
+class GGUFLora:
+    alpha: float
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # GGUF name -> tensor (torch shape)
+    folded: list[str] = field(default_factory=list)  # modules whose scale was folded into lora_b
+
+
+def lora_refusals(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> list[str]:
+    problems = []
+    if adapter.use_dora:
+        problems.append(f"DoRA has no GGUF LoRA form in llama.cpp: {MERGE_HINT}")
+    mts = [n for n, o in adapter.replacement_origin.items() if o in ("modules_to_save", "plain", "bias")]
+    if mts or adapter.modules_to_save:
+        problems.append(f"modules_to_save ({', '.join(adapter.modules_to_save or mts)}) has no GGUF LoRA form: "
+                        f"{MERGE_HINT}")
+    if adapter.config.get("lora_bias") or adapter.config.get("bias", "none") != "none":
+        problems.append(f"trained biases have no GGUF LoRA form: {MERGE_HINT}")
+    for name, origin in adapter.replacement_origin.items():
+        if origin == "base_layer" and not (name in base and torch.equal(
+                base.read(name).to(adapter.replacements[name].dtype), adapter.replacements[name])):
+            problems.append(f"the adapter carries its own {name} (resized or retrained): {MERGE_HINT}")
+    if base.tied_embeddings:
+        touched = {m.module for m in adapter.modules.values()}
+        if arch.lm_head in touched:
+            problems.append(f"LoRA on lm_head over tied embeddings cannot be applied by llama.cpp: {MERGE_HINT}")
+        if arch.embed in touched:
+            problems.append(f"embedding LoRA on a base with tied embeddings crashes llama.cpp: {MERGE_HINT}")
+    return problems
+
+
+def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFLora:
+    import gguf
+
+    plan_merge(base, [WeightedAdapter(adapter)])  # fits this base (names, shapes)
+    problems = lora_refusals(adapter, base, arch)
+    if problems:
+        raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
+    garch = gguf_arch_for(arch)
+    cfg = base.config
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], int(cfg["num_hidden_layers"]))
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    ranks = {m.rank for m in adapter.modules.values()}
+    acfg = adapter.config
+    uniform = not (acfg.get("rank_pattern") or acfg.get("alpha_pattern")) and len(ranks) == 1
+    alpha = float(acfg["lora_alpha"])
+    if uniform and acfg.get("use_rslora"):
+        alpha = alpha * math.sqrt(next(iter(ranks)))
+    lora = GGUFLora(alpha)
+    for mod in adapter.modules.values():
+        gname = tmap.get_name(mod.target, try_suffixes=(".weight",))
+        if gname is None:
+            raise UserError(f"adapter {adapter.name}: {mod.module} has no GGUF tensor name", MERGE_HINT)
+        factor = mod.scale * mod.rank / alpha  # llama.cpp applies alpha / rank
+        A, B = mod.A.float(), mod.B.float()
+        if not math.isclose(factor, 1.0, rel_tol=1e-12):
+            B = B * factor
+            lora.folded.append(mod.module)
+        if mod.kind == "embedding":
+            a, b = A.T.contiguous(), B.contiguous()  # lora_a [vocab, r], lora_b [n_embd, r]
+        else:
+            a, b = A, B
+            if garch.permute_qk and mod.module.endswith("q_proj"):
+                b = permute_qk(b, n_head, n_head)
+            elif garch.permute_qk and mod.module.endswith("k_proj"):
+                b = permute_qk(b, n_head, n_kv)
+        lora.tensors[f"{gname}.lora_a"] = a
+        lora.tensors[f"{gname}.lora_b"] = b
+    return lora
+
+
+def write_gguf_lora(out: Path, lora: GGUFLora, arch: ArchSpec, name: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), arch.gguf_arch)
+    writer.add_type("adapter")
+    writer.add_name(name)
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", lora.alpha)
+    writer.add_quantization_version(2)
+    for gname, t in lora.tensors.items():
+        writer.add_tensor(gname, t.to(torch.float32).contiguous().numpy().astype(np.float32, copy=False))
+    writer.write_header_to_file(out)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

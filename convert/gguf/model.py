@@ -1,0 +1,255 @@
+"""HF model -> GGUF, streaming: tensors are read, converted and written one at a time.
+
+Architecture quirks come from ``GGUF_ARCHS`` (data); names from gguf-py's tensor name tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..arch import ArchSpec
+from ..errors import UserError
+from .vocab import GGUFVocab
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one HF architecture becomes GGUF (facts from llama.cpp's own converter)."""
+
+    # (GGUF key suffix, HF config keys tried in order, kind) — written when a key is present
+    hparams: tuple[tuple[str, tuple[str, ...], str], ...]
+    permute_qk: bool = False  # llama-family "normal" RoPE: q/k rows reordered for interleaved pairs
+    norm_offset: float = 0.0  # Gemma stores norm weights as (w - 1)
+    write_vocab_size: bool = False
+    write_rope_dims: bool = False
+
+
+COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("context_length", ("max_position_embeddings", "n_ctx", "n_positions"), "u32"),
+    ("embedding_length", ("hidden_size", "n_embd"), "u32"),
+    ("feed_forward_length", ("intermediate_size", "n_inner"), "u32"),
+    ("attention.head_count", ("num_attention_heads", "n_head"), "u32"),
+    ("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads", "num_attention_heads"), "u32"),
+    ("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), "f32"),
+    ("attention.key_length", ("head_dim",), "u32"),
+    ("attention.value_length", ("head_dim",), "u32"),
+)
+
+GGUF_ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch(COMMON_HPARAMS, permute_qk=True, write_vocab_size=True, write_rope_dims=True),
+    "mistral": GGUFArch(COMMON_HPARAMS, permute_qk=True, write_vocab_size=True, write_rope_dims=True),
+    "qwen2": GGUFArch(COMMON_HPARAMS),
+}
+DROPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
+
+
+def gguf_arch_for(arch: ArchSpec) -> GGUFArch:
+    try:
+        return GGUF_ARCHS[arch.model_type]
+    except KeyError:
+        raise UserError(f"GGUF export does not support architecture {arch.model_type!r}",
+                        f"supported: {', '.join(sorted(GGUF_ARCHS))}") from None
+
+
+def _cfg(config: dict, keys: Iterable[str]):
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    return None
+
+
+def rope_parameters(config: dict) -> dict:
+    rp = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rp.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rp.setdefault("rope_type", rp.get("type", "default"))
+    return rp
+
+
+def permute_qk(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """HF rotate-half layout -> llama.cpp interleaved pairs (rows of q/k weights, or of LoRA B)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(rp: dict, head_dim: int) -> torch.Tensor:
+    base = float(rp["rope_theta"])
+    factor = float(rp.get("factor", 8.0))
+    low, high = float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
+    old_ctx = float(rp.get("original_max_position_embeddings", 8192))
+    low_wl, high_wl = old_ctx / low, old_ctx / high
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / base ** (i / head_dim)
+        wl = 2 * math.pi / freq
+        if wl < high_wl:
+            out.append(1.0)
+        elif wl > low_wl:
+            out.append(factor)
+        else:
+            s = (old_ctx / wl - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@dataclass
+class TensorPlan:
+    hf_name: str
+    gguf_name: str
+    shape: tuple[int, ...]
+    qtype: str  # GGMLQuantizationType name
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        import gguf
+
+        q = gguf.GGMLQuantizationType[self.qtype]
+        block, type_size = gguf.GGML_QUANT_SIZES[q]
+        return math.prod(self.shape) // block * type_size
+
+
+@dataclass
+class GGUFModelPlan:
+    arch: ArchSpec
+    garch: GGUFArch
+    config: dict
+    tensors: list[TensorPlan] = field(default_factory=list)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # generated tensors (rope_freqs)
+
+
+def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[int, ...]]],
+                    direct_type: str) -> GGUFModelPlan:
+    """Name, type and transform of every tensor; ``direct_type`` is F32, F16, BF16 or Q8_0."""
+    import gguf
+
+    garch = gguf_arch_for(arch)
+    n_layers = int(config["num_hidden_layers"])
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], n_layers)
+    plan = GGUFModelPlan(arch, garch, config)
+    n_head = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_head)
+    for name, shape in shapes:
+        if name.endswith(DROPPED_SUFFIXES):
+            continue
+        gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
+                            "the checkpoint has weights this architecture does not define")
+        if len(shape) <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight"):
+            qtype = "F32"
+        elif direct_type == "Q8_0" and shape[-1] % 32:
+            qtype = "F16"  # llama.cpp's converter does the same
+        else:
+            qtype = direct_type
+        transform = None
+        if garch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            transform = lambda t, h=n_head: permute_qk(t, h, h)  # noqa: E731
+        elif garch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            transform = lambda t, h=n_head, kv=n_kv: permute_qk(t, h, kv)  # noqa: E731
+        elif garch.norm_offset and name.endswith("norm.weight"):
+            transform = lambda t, o=garch.norm_offset: t.float() + o  # noqa: E731
+        plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
+    rp = rope_parameters(config)
+    if rp["rope_type"] == "llama3":
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // n_head)
+        plan.extra["rope_freqs.weight"] = llama3_rope_freqs(rp, head_dim)
+        plan.tensors.append(TensorPlan("", "rope_freqs.weight", (head_dim // 2,), "F32"))
+    elif rp["rope_type"] not in ("default", "linear", "yarn"):
+        raise UserError(f"RoPE type {rp['rope_type']!r} is not supported for GGUF export",
+                        "supported: default, linear, yarn, llama3")
+    return plan
+
+
+def write_hparams(writer, plan: GGUFModelPlan, n_vocab: int, file_type: int, name: str) -> None:
+    cfg, garch = plan.config, plan.garch
+    writer.add_type("model")
+    writer.add_name(name)
+    arch = plan.arch.gguf_arch
+    writer.add_uint32(f"{arch}.block_count", int(cfg["num_hidden_layers"]))
+    for suffix, keys, kind in garch.hparams:
+        value = _cfg(cfg, keys)
+        if value is None:
+            continue
+        (writer.add_uint32 if kind == "u32" else writer.add_float32)(f"{arch}.{suffix}", value)
+    rp = rope_parameters(cfg)
+    writer.add_float32(f"{arch}.rope.freq_base", float(rp["rope_theta"]))
+    if rp["rope_type"] in ("linear", "yarn") and rp.get("factor"):
+        writer.add_string(f"{arch}.rope.scaling.type", rp["rope_type"])
+        writer.add_float32(f"{arch}.rope.scaling.factor", float(rp["factor"]))
+        if rp["rope_type"] == "yarn" and rp.get("original_max_position_embeddings"):
+            writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                              int(rp["original_max_position_embeddings"]))
+    if garch.write_vocab_size:
+        writer.add_uint32(f"{arch}.vocab_size", n_vocab)
+    if garch.write_rope_dims:
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(2)
+
+
+def to_gguf_array(t: torch.Tensor, qtype: str) -> np.ndarray:
+    """A tensor as the bytes/values GGUFWriter writes for ``qtype``."""
+    import gguf
+
+    if qtype == "F32":
+        return t.to(torch.float32).contiguous().numpy()
+    if qtype == "F16":
+        return t.to(torch.float16).contiguous().numpy()
+    if qtype == "BF16":
+        return t.to(torch.bfloat16).contiguous().view(torch.uint16).numpy().view(np.uint8)
+    return gguf.quants.quantize(t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType[qtype])
+
+
+def write_gguf_models(
+    targets: list[tuple[Path, GGUFModelPlan, int]],
+    vocab: GGUFVocab,
+    read: Callable[[str], torch.Tensor],
+    name: str,
+    progress: Progress | None = None,
+) -> None:
+    """One pass over the source feeds every target ``(path, plan, file_type)``: each tensor is read and
+    transformed once, then converted and written to every file. Plans differ only in tensor types."""
+    import gguf
+
+    writers = []
+    for out, plan, file_type in targets:
+        writer = gguf.GGUFWriter(str(out), plan.arch.gguf_arch)
+        n_vocab = next(t.shape[0] for t in plan.tensors if t.gguf_name == "token_embd.weight")
+        write_hparams(writer, plan, n_vocab, file_type, name)
+        vocab.write(writer)
+        for tp in plan.tensors:
+            q = gguf.GGMLQuantizationType[tp.qtype]
+            if tp.qtype in ("F32", "F16"):
+                dtype = np.float32 if tp.qtype == "F32" else np.float16
+                writer.add_tensor_info(tp.gguf_name, tp.shape, np.dtype(dtype), tp.nbytes)
+            else:
+                byte_shape = gguf.quant_shape_to_byte_shape(tp.shape, q)
+                writer.add_tensor_info(tp.gguf_name, byte_shape, np.dtype(np.uint8), tp.nbytes, raw_dtype=q)
+        writer.write_header_to_file(out)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writers.append(writer)
+    lead = targets[0][1]
+    total = sum(t.nbytes for t in lead.tensors)
+    done = 0
+    for i, tp in enumerate(lead.tensors):
+        t = lead.extra[tp.gguf_name] if not tp.hf_name else read(tp.hf_name)
+        if tp.transform is not None:
+            t = tp.transform(t)
+        for writer, (_, plan, _) in zip(writers, targets, strict=True):
+            writer.write_tensor_data(to_gguf_array(t, plan.tensors[i].qtype))
+        done += tp.nbytes
+        if progress:
+            progress(done, total, tp.gguf_name)
+    for writer in writers:
+        writer.close()

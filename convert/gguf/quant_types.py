@@ -1,0 +1,47 @@
+"""The quantization types tuneport writes, as data: how each is produced and what llama.cpp calls it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class QuantType:
+    name: str  # as users type it: q4_k_m
+    label: str  # in file names: Q4_K_M
+    ftype: int  # llama.cpp LLAMA_FTYPE_* / general.file_type
+    direct: str | None = None  # GGMLQuantizationType name when tuneport writes it from Python
+    k_quant: bool = False  # needs rows divisible by 256 (else llama.cpp falls back to other types)
+
+
+QUANT_TYPES: dict[str, QuantType] = {q.name: q for q in [
+    QuantType("f32", "F32", 0, direct="F32"),
+    QuantType("f16", "F16", 1, direct="F16"),
+    QuantType("bf16", "BF16", 32, direct="BF16"),
+    QuantType("q8_0", "Q8_0", 7, direct="Q8_0"),
+    QuantType("q4_0", "Q4_0", 2),
+    QuantType("q4_1", "Q4_1", 3),
+    QuantType("q5_0", "Q5_0", 8),
+    QuantType("q5_1", "Q5_1", 9),
+    QuantType("q2_k", "Q2_K", 10, k_quant=True),
+    QuantType("q3_k_s", "Q3_K_S", 11, k_quant=True),
+    QuantType("q3_k_m", "Q3_K_M", 12, k_quant=True),
+    QuantType("q3_k_l", "Q3_K_L", 13, k_quant=True),
+    QuantType("q4_k_s", "Q4_K_S", 14, k_quant=True),
+    QuantType("q4_k_m", "Q4_K_M", 15, k_quant=True),
+    QuantType("q5_k_s", "Q5_K_S", 16, k_quant=True),
+    QuantType("q5_k_m", "Q5_K_M", 17, k_quant=True),
+    QuantType("q6_k", "Q6_K", 18, k_quant=True),
+]}
+DEFAULT_QUANT = "q4_k_m"
+
+
+def parse_quant_list(text: str | None) -> list[QuantType]:
+    """``"q8_0,q4_k_m"`` -> QuantTypes, in order, without duplicates."""
+    names = [n.strip().lower() for n in (text or DEFAULT_QUANT).split(",") if n.strip()]
+    bad = [n for n in names if n not in QUANT_TYPES]
+    if bad:
+        raise UserError(f"unknown --quant {', '.join(bad)}", f"choose from {', '.join(QUANT_TYPES)}")
+    return [QUANT_TYPES[n] for n in dict.fromkeys(names)]

@@ -1,0 +1,166 @@
+"""Tokenizer -> GGUF vocabulary: SentencePiece as ``llama``, byte-level BPE as ``gpt2``.
+
+Token types, special ids and add_bos/add_eos are taken from the tokenizer itself (loaded with
+transformers), so what llama.cpp does with the file matches what HF does with the directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+
+# llama.cpp token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Byte-level BPE pre-tokenizers llama.cpp knows, identified by the tokenizer's own Split regexes.
+# () = ByteLevel with use_regex=True and no Split (GPT-2's built-in regex).
+BPE_PRE_BY_SPLITS: dict[tuple[str, ...], str] = {
+    (QWEN2_SPLIT,): "qwen2",
+    (LLAMA3_SPLIT,): "llama-bpe",
+    (): "gpt-2",
+}
+KNOWN_BPE_PRE = ("qwen2", "llama-bpe", "llama3", "gpt-2", "default", "deepseek-llm", "deepseek-coder",
+                 "falcon", "mpt", "starcoder", "refact", "command-r", "smollm", "tekken", "gpt-4o", "olmo", "dbrx")
+
+
+@dataclass
+class GGUFVocab:
+    model: str  # "llama" (SentencePiece) or "gpt2" (byte-level BPE)
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    special: dict[str, int] = field(default_factory=dict)  # bos, eos, unk, pad
+    add_bos: bool = False
+    add_eos: bool = False
+    add_space_prefix: bool | None = None
+    chat_template: str | None = None
+
+    def write(self, writer) -> None:
+        writer.add_tokenizer_model(self.model)
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
+        writer.add_token_types(self.types)
+        if self.merges is not None:
+            writer.add_token_merges(self.merges)
+        setters = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
+                   "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
+        for kind, tid in self.special.items():
+            setters[kind](tid)
+        writer.add_add_bos_token(self.add_bos)
+        writer.add_add_eos_token(self.add_eos)
+        if self.add_space_prefix is not None:
+            writer.add_add_space_prefix(self.add_space_prefix)
+        if self.chat_template:
+            writer.add_chat_template(self.chat_template)
+
+
+def _hf_tokenizer(model_dir: Path):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise UserError("reading the tokenizer needs transformers", "pip install 'tuneport[hf]'") from e
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise UserError(f"cannot load the tokenizer in {model_dir} ({type(e).__name__}: {str(e)[:120]})",
+                        "the model directory needs its tokenizer files") from e
+
+
+def _common(tok, vocab: GGUFVocab, n_vocab: int) -> None:
+    for kind in ("bos", "eos", "unk", "pad"):
+        tid = getattr(tok, f"{kind}_token_id", None)
+        if isinstance(tid, int) and 0 <= tid < n_vocab:
+            vocab.special[kind] = tid
+    probe = tok("a").input_ids
+    vocab.add_bos = bool(probe) and "bos" in vocab.special and probe[0] == vocab.special["bos"]
+    vocab.add_eos = bool(probe) and "eos" in vocab.special and probe[-1] == vocab.special["eos"]
+    vocab.chat_template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    for tid, added in tok.added_tokens_decoder.items():
+        if tid >= n_vocab:
+            continue
+        vocab.tokens[tid] = added.content
+        vocab.types[tid] = CONTROL if added.special else USER_DEFINED
+        if vocab.scores is not None:
+            vocab.scores[tid] = -1000.0
+
+
+def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [-10000.0] * n_vocab
+    types = [UNUSED] * n_vocab
+    for i in range(min(sp.vocab_size(), n_vocab)):
+        tokens[i] = sp.IdToPiece(i)
+        scores[i] = sp.GetScore(i)
+        types[i] = (UNKNOWN if sp.IsUnknown(i) else CONTROL if sp.IsControl(i) else UNUSED if sp.IsUnused(i)
+                    else BYTE if sp.IsByte(i) else NORMAL)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((model_dir / "tokenizer.model").read_bytes())
+    vocab = GGUFVocab("llama", "default", tokens, types, scores=scores,
+                      add_space_prefix=bool(proto.normalizer_spec.add_dummy_prefix))
+    _common(tok, vocab, n_vocab)
+    return vocab
+
+
+def bpe_pre_from_tokenizer_json(tj: dict) -> str | None:
+    """Name llama.cpp gives this tokenizer's pre-tokenizer, or None when it cannot be identified."""
+    pre = tj.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    splits = tuple(s["pattern"].get("Regex", "") for s in steps if s.get("type") == "Split")
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    if not byte_level:
+        return None
+    if not splits and not byte_level[0].get("use_regex", True):
+        return None
+    if tj.get("normalizer") not in (None, {}) and (tj.get("normalizer") or {}).get("type") != "NFC":
+        return None
+    return BPE_PRE_BY_SPLITS.get(splits)
+
+
+def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None) -> GGUFVocab:
+    tj = json.loads((model_dir / "tokenizer.json").read_text())
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise UserError(f"tokenizer in {model_dir} is {model.get('type')}, not BPE or SentencePiece",
+                        "tuneport writes SentencePiece and byte-level BPE vocabularies")
+    pre = bpe_pre or bpe_pre_from_tokenizer_json(tj)
+    if pre is None:
+        raise UserError(f"cannot identify the BPE pre-tokenizer of {model_dir} for llama.cpp",
+                        "pass --bpe-pre NAME with the llama.cpp name that matches it "
+                        f"(e.g. {', '.join(KNOWN_BPE_PRE[:4])})")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [UNUSED] * n_vocab
+    for text, tid in model["vocab"].items():
+        if tid < n_vocab:
+            tokens[tid], types[tid] = text, NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    vocab = GGUFVocab("gpt2", pre, tokens, types, merges=merges)
+    _common(tok, vocab, n_vocab)
+    return vocab
+
+
+def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None) -> GGUFVocab:
+    """The GGUF vocabulary of the tokenizer in ``model_dir``, padded to ``n_vocab`` (embedding rows)."""
+    tok = _hf_tokenizer(model_dir)
+    if len(tok) > n_vocab:
+        raise UserError(f"the tokenizer has {len(tok)} tokens but the model only {n_vocab} embedding rows",
+                        "pass the tokenizer that belongs to this model (after adding tokens, resize embeddings)")
+    if (model_dir / "tokenizer.model").exists() and not bpe_pre:
+        return _sentencepiece(model_dir, tok, n_vocab)
+    if (model_dir / "tokenizer.json").exists():
+        return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre)
+    raise UserError(f"{model_dir} has neither tokenizer.model nor tokenizer.json", "add the tokenizer files")

@@ -1,0 +1,239 @@
+"""--target gguf in real llama.cpp (llama-cpp-python, F32 KV cache, flash attention off)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import ARCHS
+
+from convert.gguf.quant_types import QUANT_TYPES
+from toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
+
+pytestmark = pytest.mark.llamacpp
+IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
+LORA_VARIANTS = ["plain", "all_linear", "rslora", "patterns"]
+
+
+def export(cli, *args):
+    code, out, err = cli("export", "--target", "gguf", "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def gguf_vs(ref: torch.Tensor, path, lora=None) -> tuple:
+    llm = llamacpp_model(path, lora)
+    try:
+        got = llamacpp_logits(llm, IDS)
+    finally:
+        llm.close()
+    return compare_logits(ref, got)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
+    base = zoo.base(arch)
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f32,f16,q8_0", "--out", out)
+    ref = logits(load_hf(base), torch.tensor([IDS]))[0]
+    f32 = gguf_vs(ref, out / f"{base.name}-F32.gguf")
+    f16 = gguf_vs(ref, out / f"{base.name}-F16.gguf")
+    q8 = gguf_vs(ref, out / f"{base.name}-Q8_0.gguf")
+    print(f"\n{arch}: F32 max|d| {f32.max_abs:.2e}; F16 max|d| {f16.max_abs:.2e}; "
+          f"Q8_0 KL {q8.kl:.2e} top1 {q8.top1:.2f}")
+    assert f32.max_abs <= 1e-4
+    assert f16.max_abs <= 1e-2
+    assert q8.kl <= 1e-2
+
+
+@pytest.mark.parametrize("variant", LORA_VARIANTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_separate_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant):
+    base, adapter = zoo.base(arch), zoo.adapter(arch, variant)
+    sep, merged = tmp_path / "sep", tmp_path / "merged"
+    m = export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}",
+               "--out", sep)
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "merge", "--adapter", adapter, "--out", merged)
+    ref = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    assert m["loras"] == {"a": "adapters/a-F32.gguf"}
+    lora = gguf_vs(ref, sep / f"{base.name}-F32.gguf", sep / "adapters" / "a-F32.gguf")
+    merged_cmp = gguf_vs(ref, merged / f"{base.name}-F32.gguf")
+    assert lora.max_abs <= 1e-4, lora
+    assert merged_cmp.max_abs <= 1e-4, merged_cmp
+    modelfile = (sep / "Modelfile.a").read_text()
+    assert "ADAPTER ./adapters/a-F32.gguf" in modelfile
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+def test_lora_over_quantized_base(zoo, tmp_path, cli, quant):
+    base, adapter = zoo.base("llama", wide=True), zoo.adapter("llama", "all_linear", wide=True)
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", quant, "--adapters", "separate", "--adapter", f"a={adapter}", "--out", out)
+    ref = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    label = QUANT_TYPES[quant].label
+    cmp = gguf_vs(ref, out / f"{base.name}-{label}.gguf", out / "adapters" / "a-F32.gguf")
+    without = gguf_vs(ref, out / f"{base.name}-{label}.gguf")
+    print(f"\nLoRA over {label}: KL(PEFT || llama.cpp) = {cmp.kl:.3e}, top-1 {cmp.top1:.2f} "
+          f"(without the LoRA: KL {without.kl:.3e})")
+    assert cmp.kl < without.kl / 5  # the adapter is applied
+    assert cmp.kl <= (1e-2 if quant == "q8_0" else 0.5)
+
+
+def test_every_quant_type_loads_with_its_type(zoo, tmp_path, cli):
+    import llama_cpp
+
+    base = zoo.base("llama", wide=True)
+    out = tmp_path / "gguf"
+    m = export(cli, "--base", base, "--quant", ",".join(QUANT_TYPES), "--out", out)
+    assert set(m["models"]) == set(QUANT_TYPES)
+    from gguf import GGUFReader
+
+    for q in QUANT_TYPES.values():
+        path = out / f"{base.name}-{q.label}.gguf"
+        llm = llamacpp_model(path)
+        try:
+            assert int(llm.metadata["general.file_type"]) == q.ftype, q.name
+            assert llama_cpp.llama_model_ftype(llm.model) == q.ftype, q.name
+            llm.eval(IDS[:4])
+        finally:
+            llm.close()
+        if q.k_quant:  # hidden 256: no fallback types in the weights
+            types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
+            assert not types & {"Q4_0", "Q5_0", "Q5_1", "F16"} or q.name == "q2_k", (q.name, types)
+
+
+BPE_STRINGS = [
+    "Hello world", "hello  world", "   leading spaces", "trailing spaces   ", "tabs\tand\ttabs",
+    "new\nlines\n\n\nmany", "emoji 🙂🚀 and ✨", "日本語のテキスト", "Привет, мир!", "Grüße aus München",
+    "def add(a, b):\n    return a + b", "x = [1, 2, 3]  # comment", "12345 678 9", "it's they're we've",
+    "<|im_start|>user\nhi<|im_end|>", "<|im_start|>assistant\n", "text<|endoftext|>more", "a<|im_end|>b",
+    "   ", "\n", "mixed 123abc ABC", "url https://example.com/a?b=c", "math: α+β=γ",
+]
+SP_STRINGS = [
+    "Hello world", "hello world again", "The model merges the adapter.", "tabs\tand\ttabs", "new\nlines",
+    "emoji 🙂🚀 and ✨", "日本語のテキスト", "Привет, мир!", "Grüße aus München", "def add(a, b):",
+    "x = [1, 2, 3]", "12345 678 9", "it's they're", "mixed 123abc ABC", "url https://example.com/a?b=c",
+    "math: α+β=γ", "end of turn</s>", "user says hi [/INST]", "question?[/INST]", "a b c d e f", "trailing  ",
+]
+
+
+@pytest.mark.parametrize("arch,strings", [("qwen2", BPE_STRINGS), ("llama", SP_STRINGS)])
+def test_tokenization_matches_hf(zoo, tmp_path, cli, arch, strings):
+    from transformers import AutoTokenizer
+
+    base = zoo.base(arch)
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f16", "--out", out)
+    tok = AutoTokenizer.from_pretrained(base)
+    llm = llamacpp_model(out / f"{base.name}-F16.gguf")
+    try:
+        add_bos = tok("a").input_ids[0] == tok.bos_token_id if tok.bos_token_id is not None else False
+        mismatches = []
+        for s in strings:
+            hf = tok(s).input_ids
+            lc = llm.tokenize(s.encode(), add_bos=add_bos, special=True)
+            if hf != lc:
+                mismatches.append((s, hf, lc))
+            # detokenize round-trips: llama.cpp's text equals HF's decode and the original string
+            text = llm.detokenize(hf, special=False).decode()
+            assert text == tok.decode(hf, skip_special_tokens=True), s
+            if not any(t in s for t in ("<|", "</s>", "[/INST]")):
+                assert text == s, s
+        assert len(strings) >= 20 and not mismatches, mismatches[:3]
+    finally:
+        llm.close()
+
+
+def test_sentencepiece_space_runs_follow_sentencepiece(zoo, tmp_path, cli):
+    """Known divergence: HF's fast tokenizer splits a leading run of spaces differently from the
+    SentencePiece model it was converted from; llama.cpp follows SentencePiece."""
+    import sentencepiece as spm
+
+    base = zoo.base("llama")
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f32", "--out", out)
+    sp = spm.SentencePieceProcessor(model_file=str(base / "tokenizer.model"))
+    llm = llamacpp_model(out / f"{base.name}-F32.gguf")
+    try:
+        for s in ["  two  spaces\n\nnewlines", "Hello world", "  x"]:
+            assert llm.tokenize(s.encode(), add_bos=False, special=False) == sp.encode(s), s
+    finally:
+        llm.close()
+
+
+def test_chat_template_renders_same_tokens_as_hf(zoo, tmp_path, cli):
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from transformers import AutoTokenizer
+
+    base = zoo.base("qwen2")
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f32", "--out", out)
+    llm = llamacpp_model(out / f"{base.name}-F32.gguf")
+    try:
+        template = llm.metadata["tokenizer.chat_template"]
+        tok = AutoTokenizer.from_pretrained(base)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there 🙂"},
+                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Merge my adapter."}]
+        fmt = Jinja2ChatFormatter(template, eos_token=tok.eos_token or "", bos_token=tok.bos_token or "")
+        res = fmt(messages=messages)
+        ours = llm.tokenize(res.prompt.encode(), add_bos=not res.added_special, special=True)
+        hf = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        hf = hf["input_ids"] if isinstance(hf, dict) or hasattr(hf, "keys") else hf
+        assert ours == list(hf)
+    finally:
+        llm.close()
+    modelfile = (out / "Modelfile").read_text()
+    assert "<|im_start|>assistant" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
+def test_inspect_reads_gguf(zoo, tmp_path, cli):
+    out = tmp_path / "gguf"
+    export(cli, "--base", zoo.base("llama"), "--quant", "q8_0", "--adapters", "separate",
+           "--adapter", f"a={zoo.adapter('llama', 'plain')}", "--out", out)
+    code, text, _ = cli("inspect", out / "llama-fp32-Q8_0.gguf", "--json")
+    r = json.loads(text)
+    assert r["kind"] == "gguf-model" and "Q8_0" in r["quant_types"] and r["chat_template"] is True
+    code, text, _ = cli("inspect", out / "adapters" / "a-F32.gguf", "--json")
+    r = json.loads(text)
+    assert r["kind"] == "gguf-lora" and r["architecture"] == "llama" and r["lora_alpha"] == 16.0
+
+
+def refused(cli, out, *args, expect: str) -> str:
+    code, _, err = cli("export", "--target", "gguf", "--out", out, *args)
+    assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    return err
+
+
+def test_bad_input(zoo, tmp_path, cli):
+    base = tmp_path / "base"
+    shutil.copytree(zoo.base("qwen2"), base)
+    tj = json.loads((base / "tokenizer.json").read_text())
+    tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\w+|\s+"
+    (base / "tokenizer.json").write_text(json.dumps(tj))
+    err = refused(cli, tmp_path / "o1", "--base", base, "--quant", "f16", expect="--bpe-pre")
+    assert "pre-tokenizer" in err
+    code, _, err = cli("export", "--target", "gguf", "--out", tmp_path / "o1b", "--base", base, "--quant", "f16",
+                       "--bpe-pre", "qwen2")
+    assert code == 0, err
+
+    mamba = tmp_path / "mamba"
+    shutil.copytree(zoo.base("llama"), mamba)
+    cfg = json.loads((mamba / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (mamba / "config.json").write_text(json.dumps(cfg))
+    err = refused(cli, tmp_path / "o2", "--base", mamba, expect="unsupported architecture")
+    assert "llama" in err and "qwen2" in err
+
+    refused(cli, tmp_path / "o3", "--base", zoo.base("llama"), "--adapters", "separate",
+            "--adapter", zoo.adapter("llama", "dora"), expect="DoRA")
+    from toolkit.tiny import make_adapter, make_base
+
+    small = make_base("llama", tmp_path / "small", dims=dict(hidden_size=64, intermediate_size=128,
+                                                             num_attention_heads=2, num_key_value_heads=1))
+    other = make_adapter(small, "plain", tmp_path / "small-adapter")
+    refused(cli, tmp_path / "o4", "--base", zoo.base("llama"), "--adapters", "separate", "--adapter", other,
+            expect="does not fit this base")
+    refused(cli, tmp_path / "o5", "--base", zoo.base("llama"), "--quant", "q9_9", expect="unknown --quant")
