@@ -60,6 +60,30 @@ ARCHS: dict[str, ArchSpec] = {
         rope_style="neox",
         notes=("q/k/v projections carry biases",),
     ),
+    "qwen3": ArchSpec(
+        "qwen3",
+        ("Qwen3ForCausalLM",),
+        gguf_arch="qwen3",
+        rope_style="neox",
+        notes=("per-head q_norm / k_norm",),
+    ),
+    "gemma3_text": ArchSpec(
+        "gemma3_text",
+        ("Gemma3ForCausalLM",),
+        gguf_arch="gemma3",
+        rope_style="neox",
+        notes=("norm weights stored as w - 1", "embeddings scaled by sqrt(hidden)", "sliding-window layers"),
+    ),
+    "phi3": ArchSpec(
+        "phi3",
+        ("Phi3ForCausalLM",),
+        gguf_arch="phi3",
+        rope_style="neox",
+        linear_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        vllm_lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        llamacpp_lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        notes=("fused qkv_proj and gate_up_proj",),
+    ),
 }
 
 

@@ -32,7 +32,14 @@ def gguf_vs(ref: torch.Tensor, path, lora=None) -> tuple:
     return compare_logits(ref, got)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+GGUF_ARCHS = [*ARCHS, "qwen3", "gemma3_text", "phi3"]
+# llama.cpp evaluates GELU through an fp16 lookup table on the CPU (HF: exact tanh-GELU), which alone
+# moves Gemma's logits by ~2.6e-3 here; emulating that table in HF brings the difference to ~2.5e-4.
+TOL = {"f32": 1e-4, "f32_kl": 1e-8, "f16": 1e-2}
+ARCH_TOL = {"gemma3_text": {"f32": 5e-3, "f32_kl": 1e-6, "f16": 5e-2}}
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
 def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
     base = zoo.base(arch)
     out = tmp_path / "gguf"
@@ -43,13 +50,15 @@ def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
     q8 = gguf_vs(ref, out / f"{base.name}-Q8_0.gguf")
     print(f"\n{arch}: F32 max|d| {f32.max_abs:.2e}; F16 max|d| {f16.max_abs:.2e}; "
           f"Q8_0 KL {q8.kl:.2e} top1 {q8.top1:.2f}")
-    assert f32.max_abs <= 1e-4
-    assert f16.max_abs <= 1e-2
+    tol = {**TOL, **ARCH_TOL.get(arch, {})}
+    assert f32.max_abs <= tol["f32"]
+    assert f32.kl <= tol["f32_kl"]
+    assert f16.max_abs <= tol["f16"]
     assert q8.kl <= 1e-2
 
 
 @pytest.mark.parametrize("variant", LORA_VARIANTS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "qwen3"])
 def test_lora_separate_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant):
     base, adapter = zoo.base(arch), zoo.adapter(arch, variant)
     sep, merged = tmp_path / "sep", tmp_path / "merged"
@@ -64,6 +73,28 @@ def test_lora_separate_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant)
     assert merged_cmp.max_abs <= 1e-4, merged_cmp
     modelfile = (sep / "Modelfile.a").read_text()
     assert "ADAPTER ./adapters/a-F32.gguf" in modelfile
+
+
+def test_phi3_fused_module_lora(zoo, tmp_path, cli):
+    """LoRA on phi3's fused qkv_proj / gate_up_proj maps to attn_qkv / ffn_up unchanged."""
+    from peft import LoraConfig, get_peft_model
+
+    base = zoo.base("phi3")
+    adapter = tmp_path / "phi3-lora"
+    model = load_hf(base)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    peft_model.save_pretrained(adapter)
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}", "--out", out)
+    ref = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    cmp = gguf_vs(ref, out / f"{base.name}-F32.gguf", out / "adapters" / "a-F32.gguf")
+    assert cmp.max_abs <= 1e-4, cmp
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])

@@ -30,6 +30,9 @@ class GGUFArch:
     norm_offset: float = 0.0  # Gemma stores norm weights as (w - 1)
     write_vocab_size: bool = False
     write_rope_dims: bool = False
+    write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
+    sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
+    softcap: bool = False  # final_logit_softcapping
 
 
 COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -43,10 +46,14 @@ COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention.value_length", ("head_dim",), "u32"),
 )
 
+SLIDING = (("attention.sliding_window", ("sliding_window",), "u32"),)
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch(COMMON_HPARAMS, permute_qk=True, write_vocab_size=True, write_rope_dims=True),
     "mistral": GGUFArch(COMMON_HPARAMS, permute_qk=True, write_vocab_size=True, write_rope_dims=True),
     "qwen2": GGUFArch(COMMON_HPARAMS),
+    "qwen3": GGUFArch(COMMON_HPARAMS),
+    "gemma3_text": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, write_freq_base_swa=True, softcap=True),
+    "phi3": GGUFArch(COMMON_HPARAMS + SLIDING, write_rope_dims=True, sliding_window_default=0),
 }
 DROPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
@@ -66,8 +73,11 @@ def _cfg(config: dict, keys: Iterable[str]):
     return None
 
 
-def rope_parameters(config: dict) -> dict:
+def rope_parameters(config: dict, layer_kind: str = "full_attention") -> dict:
+    """RoPE settings (transformers 4 and 5 layouts); per layer kind where the config splits them."""
     rp = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if "full_attention" in rp or "sliding_attention" in rp:
+        rp = dict(rp.get(layer_kind) or rp.get("full_attention") or {})
     rp.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rp.setdefault("rope_type", rp.get("type", "default"))
     return rp
@@ -188,11 +198,18 @@ def write_hparams(writer, plan: GGUFModelPlan, n_vocab: int, file_type: int, nam
         if rp["rope_type"] == "yarn" and rp.get("original_max_position_embeddings"):
             writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
                               int(rp["original_max_position_embeddings"]))
+    if garch.write_freq_base_swa:
+        writer.add_float32(f"{arch}.rope.freq_base_swa", float(rope_parameters(cfg, "sliding_attention")["rope_theta"]))
+    if garch.sliding_window_default is not None and cfg.get("sliding_window") is None:
+        writer.add_uint32(f"{arch}.attention.sliding_window", garch.sliding_window_default)
+    if garch.softcap and cfg.get("final_logit_softcapping"):
+        writer.add_float32(f"{arch}.final_logit_softcapping", float(cfg["final_logit_softcapping"]))
     if garch.write_vocab_size:
         writer.add_uint32(f"{arch}.vocab_size", n_vocab)
     if garch.write_rope_dims:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-        writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+        partial = float(rope_parameters(cfg).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        writer.add_uint32(f"{arch}.rope.dimension_count", int(partial * head_dim))
     writer.add_file_type(file_type)
     writer.add_quantization_version(2)
 

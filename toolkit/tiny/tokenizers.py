@@ -49,7 +49,7 @@ def write_sentencepiece(out: Path) -> None:
         bos_id=1,
         eos_id=2,
         pad_id=-1,
-        user_defined_symbols=["[INST]", "[/INST]"],
+        user_defined_symbols=["[INST]", "[/INST]", "<|endoftext|>"],
         num_threads=1,
         minloglevel=2,
     )
