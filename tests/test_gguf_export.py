@@ -41,9 +41,13 @@ ARCH_TOL = {"gemma3_text": {"f32": 5e-3, "f32_kl": 1e-6, "f16": 5e-2}}
 
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
 def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
+    import hashlib
+
     base = zoo.base(arch)
     out = tmp_path / "gguf"
-    export(cli, "--base", base, "--quant", "f32,f16,q8_0", "--out", out)
+    m = export(cli, "--base", base, "--quant", "f32,f16,q8_0", "--out", out)
+    for o in m["outputs"]:  # hashed while written
+        assert o["sha256"] == hashlib.sha256((out / o["path"]).read_bytes()).hexdigest(), o["path"]
     ref = logits(load_hf(base), torch.tensor([IDS]))[0]
     f32 = gguf_vs(ref, out / f"{base.name}-F32.gguf")
     f16 = gguf_vs(ref, out / f"{base.name}-F16.gguf")

@@ -81,7 +81,7 @@ def export_gguf(
             path = (tmp if q in quants else scratch) / f"{name}-{q.label}.gguf"
             files[q.name] = path
             targets.append((path, plan_gguf_model(arch, plan.config, shapes, q.direct), q.ftype))
-        write_gguf_models(targets, vocab, lambda n: _read(plan, specs, n), name, progress)
+        hashes = write_gguf_models(targets, vocab, lambda n: _read(plan, specs, n), name, progress)
         for q in via_llamacpp:
             files[q.name] = tmp / f"{name}-{q.label}.gguf"
             quantize_with_llamacpp(files[lossless.name], files[q.name], q)
@@ -104,7 +104,7 @@ def export_gguf(
             (tmp / f"Modelfile.{aname}").write_text(text)
         inputs = merge_inputs(plan) if mode == "merge" else merge_inputs(plan) + [
             {"role": "adapter", "name": a.name, "path": str(a.path)} for a, _ in loras]
-        manifest = write_manifest(tmp, "gguf", inputs, {
+        manifest = write_manifest(tmp, "gguf", inputs, known_hashes=hashes, options={
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
             "notes": plan.notes}, extra={

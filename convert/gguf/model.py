@@ -227,20 +227,71 @@ def to_gguf_array(t: torch.Tensor, qtype: str) -> np.ndarray:
     return gguf.quants.quantize(t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType[qtype])
 
 
+class _HashingFile:
+    """A write-only file that feeds every byte to a sha256 as it goes to disk."""
+
+    def __init__(self, f) -> None:
+        from ..io import OrderedHasher
+
+        self._f = f
+        self.hasher = OrderedHasher()
+
+    def write(self, data) -> int:
+        data = bytes(data) if not isinstance(data, (bytes, memoryview)) else data
+        self.hasher.update(data)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _hashing_writer(path: Path, arch: str):
+    """gguf.GGUFWriter whose output is hashed while written (no second read for the manifest)."""
+    import gguf
+
+    class HashingGGUFWriter(gguf.GGUFWriter):
+        def open_output_file(self, path: Path | None = None) -> None:
+            super().open_output_file(path)
+            if self.fout is not None and not isinstance(self.fout[0], _HashingFile):
+                self.fout = [_HashingFile(f) for f in self.fout]
+
+        def write_tensor_data(self, tensor: np.ndarray, tensor_endianess=None) -> None:
+            fout = self.fout[0]
+            name = next(iter(self.tensors[0]))
+            ti = self.tensors[0].pop(name)
+            assert ti.nbytes == tensor.nbytes
+            self.write_padding(fout, fout.tell())
+            fout.write(memoryview(np.ascontiguousarray(tensor)).cast("B"))
+            self.write_padding(fout, tensor.nbytes)
+            self.state = gguf.gguf_writer.WriterState.WEIGHTS
+
+        def sha256(self) -> str:
+            return self.fout[0].hasher.hexdigest()
+
+    return HashingGGUFWriter(str(path), arch)
+
+
 def write_gguf_models(
     targets: list[tuple[Path, GGUFModelPlan, int]],
     vocab: GGUFVocab,
     read: Callable[[str], torch.Tensor],
     name: str,
     progress: Progress | None = None,
-) -> None:
+) -> dict[Path, str]:
     """One pass over the source feeds every target ``(path, plan, file_type)``: each tensor is read and
-    transformed once, then converted and written to every file. Plans differ only in tensor types."""
+    transformed once, then converted and written to every file. Plans differ only in tensor types.
+    Returns each file's sha256, computed while writing."""
     import gguf
 
     writers = []
     for out, plan, file_type in targets:
-        writer = gguf.GGUFWriter(str(out), plan.arch.gguf_arch)
+        writer = _hashing_writer(out, plan.arch.gguf_arch)
         n_vocab = next(t.shape[0] for t in plan.tensors if t.gguf_name == "token_embd.weight")
         write_hparams(writer, plan, n_vocab, file_type, name)
         vocab.write(writer)
@@ -268,5 +319,9 @@ def write_gguf_models(
         done += tp.nbytes
         if progress:
             progress(done, total, tp.gguf_name)
-    for writer in writers:
+    hashes = {}
+    for writer, (out, _, _) in zip(writers, targets, strict=True):
+        writer.flush()
+        hashes[out] = writer.sha256()
         writer.close()
+    return hashes
