@@ -14,7 +14,7 @@ from toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, lo
 
 pytestmark = pytest.mark.llamacpp
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
-LORA_VARIANTS = ["plain", "all_linear", "rslora", "patterns"]
+LORA_VARIANTS = ["plain", "all_linear", "rslora", "patterns", "embedding", "regex", "layers"]
 
 
 def export(cli, *args):
@@ -77,6 +77,16 @@ def test_lora_separate_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant)
     assert merged_cmp.max_abs <= 1e-4, merged_cmp
     modelfile = (sep / "Modelfile.a").read_text()
     assert "ADAPTER ./adapters/a-F32.gguf" in modelfile
+
+
+def test_tied_base_and_lora(zoo, tmp_path, cli):
+    """Tied embeddings: llama.cpp reuses token_embd as the output; a LoRA over the tied base works."""
+    base, adapter = zoo.base("llama", tied=True), zoo.adapter("llama", "tied")
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}", "--out", out)
+    assert gguf_vs(logits(load_hf(base), torch.tensor([IDS]))[0], out / f"{base.name}-F32.gguf").max_abs <= 1e-4
+    ref = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    assert gguf_vs(ref, out / f"{base.name}-F32.gguf", out / "adapters" / "a-F32.gguf").max_abs <= 1e-4
 
 
 def test_phi3_fused_module_lora(zoo, tmp_path, cli):
@@ -264,6 +274,8 @@ def test_bad_input(zoo, tmp_path, cli):
 
     refused(cli, tmp_path / "o3", "--base", zoo.base("llama"), "--adapters", "separate",
             "--adapter", zoo.adapter("llama", "dora"), expect="DoRA")
+    refused(cli, tmp_path / "o3b", "--base", zoo.base("llama"), "--adapters", "separate",
+            "--adapter", zoo.adapter("llama", "modules_to_save"), expect="modules_to_save")
     from toolkit.tiny import make_adapter, make_base
 
     small = make_base("llama", tmp_path / "small", dims=dict(hidden_size=64, intermediate_size=128,
