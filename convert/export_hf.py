@@ -93,9 +93,10 @@ def copy_side_files(plan: MergePlan, out: Path) -> None:
             break
 
 
-def merge_inputs(plan: MergePlan) -> list[dict]:
+def merge_inputs(plan: MergePlan, extra_adapters: list[WeightedAdapter] = ()) -> list[dict]:
+    """Manifest inputs: the base's files and every adapter, with sha256."""
     inputs = [{"role": "base", "path": str(plan.base.spec), "files": checkpoint_sha256(plan.base)}]
-    for w in plan.adapters:
+    for w in [*plan.adapters, *extra_adapters]:
         a = w.adapter
         inputs.append({"role": "adapter", "name": a.name, "path": str(a.path), "weight": w.weight,
                        "sha256": sha256_file(a.file) if a.file else None})

@@ -16,7 +16,7 @@ from .arch import arch_for
 from .checkpoint import Checkpoint
 from .errors import UserError
 from .export_hf import AdapterArg, Progress, load_weighted, merge_inputs, write_merged
-from .io import atomic_dir, check_output_path, sha256_file
+from .io import atomic_dir, check_output_path
 from .manifest import write_manifest
 from .merge import WeightedAdapter, plan_merge
 from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
@@ -149,12 +149,8 @@ def export_vllm(
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
             paths[w.adapter.name] = f"adapters/{w.adapter.name}"
         write_launch(tmp, launch_args("base", served, paths, max_rank, vllm_dtype))
-        inputs = [{"role": "base", "path": str(ckpt.spec),
-                   "files": {f.name: sha256_file(f) for f in ckpt.weight_files}}]
-        inputs += [{"role": "adapter", "name": w.adapter.name, "path": str(w.adapter.path),
-                    "sha256": sha256_file(w.adapter.file) if w.adapter.file else None} for w in loaded]
         return write_manifest(
-            tmp, "vllm", inputs,
+            tmp, "vllm", merge_inputs(plan_merge(ckpt, []), loaded),
             {"adapters": "separate", "max_lora_rank": max_rank, "dtype": dtype},
             extra={"fixes": {pf.adapter: pf.fixes for pf in results}},
         )

@@ -102,8 +102,7 @@ def export_gguf(
         for aname, path in lora_files.items():
             text, _ = modelfile(files[main.name].name, vocab.chat_template, f"adapters/{path.name}", eos=eos)
             (tmp / f"Modelfile.{aname}").write_text(text)
-        inputs = merge_inputs(plan) if mode == "merge" else merge_inputs(plan) + [
-            {"role": "adapter", "name": a.name, "path": str(a.path)} for a, _ in loras]
+        inputs = merge_inputs(plan, [] if mode == "merge" else loaded)
         manifest = write_manifest(tmp, "gguf", inputs, known_hashes=hashes, options={
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
