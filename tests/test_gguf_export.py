@@ -284,3 +284,26 @@ def test_bad_input(zoo, tmp_path, cli):
     refused(cli, tmp_path / "o4", "--base", zoo.base("llama"), "--adapters", "separate", "--adapter", other,
             expect="does not fit this base")
     refused(cli, tmp_path / "o5", "--base", zoo.base("llama"), "--quant", "q9_9", expect="unknown --quant")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_merge_with_resized_vocab_and_added_tokens(zoo, tmp_path, cli, arch):
+    """modules_to_save after adding tokens: the merged GGUF has the new rows and the adapter's tokens."""
+    from transformers import AutoTokenizer
+
+    from toolkit.tiny import ADDED_TOKENS
+
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "modules_to_save")
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f32", "--adapter", adapter, "--out", out)
+    tok = AutoTokenizer.from_pretrained(adapter)
+    ids = IDS[:-2] + tok.convert_tokens_to_ids(ADDED_TOKENS[:2])
+    ref = logits(load_peft(base, adapter), torch.tensor([ids]))[0]
+    llm = llamacpp_model(out / f"{base.name}-F32.gguf")
+    try:
+        assert compare_logits(ref, llamacpp_logits(llm, ids)).max_abs <= 1e-4
+        # SentencePiece in llama.cpp puts "▁" after a special token (see docs/gguf.md): keep it last there
+        text = f"{ADDED_TOKENS[0]} hi {ADDED_TOKENS[2]}" if arch == "qwen2" else f"hi{ADDED_TOKENS[2]}"
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok(text, add_special_tokens=False).input_ids
+    finally:
+        llm.close()
