@@ -1,0 +1,203 @@
+"""The adapter pool: which adapters are loaded in an engine, within a capacity.
+
+- capacity: at most ``max_adapters`` loaded at once;
+- pinning: pinned adapters are never evicted (start-up adapters pin unless told otherwise);
+- reference counts: an adapter in use by a request is never evicted or unloaded;
+- LRU: when a new adapter needs a slot, the least recently used idle, unpinned adapter is evicted;
+- on-demand: an unknown name is loaded from ``adapter_dir/<name>`` when that is a valid adapter.
+
+The pool is engine-agnostic: it calls ``load(name, path)`` / ``unload(name)`` callbacks that the engine
+provides, and never holds its lock while an engine call runs for a different adapter.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from convert.errors import UserError
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class PoolError(UserError):
+    """A pool request that cannot be served; ``status`` is the HTTP status a gateway should answer."""
+
+    def __init__(self, message: str, hint: str = "", status: int = 400) -> None:
+        super().__init__(message, hint)
+        self.status = status
+
+
+@dataclass
+class PoolEntry:
+    name: str
+    path: Path
+    pinned: bool = False
+    refs: int = 0
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    nbytes: int = 0
+    hits: int = 0
+
+    def state(self) -> dict:
+        return {"name": self.name, "path": str(self.path), "pinned": self.pinned, "in_use": self.refs > 0,
+                "refs": self.refs, "loaded_at": self.loaded_at, "last_used": self.last_used,
+                "bytes": self.nbytes, "hits": self.hits}
+
+
+@dataclass
+class PoolStats:
+    loads: int = 0
+    evictions: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+def check_name(name: str) -> str:
+    if not ADAPTER_NAME.match(name or ""):
+        raise PoolError(f"invalid adapter name {name!r}", "names match [A-Za-z0-9._-]{1,64}", status=400)
+    return name
+
+
+def resolve_inside(path: str | Path, roots: list[Path]) -> Path:
+    """``path`` resolved, refused (403) unless it lies inside one of ``roots``."""
+    raw = str(path)
+    if ".." in Path(raw).parts:
+        raise PoolError(f"adapter path {raw!r} contains '..'", "pass a path inside the allowed roots", status=403)
+    p = Path(raw).expanduser().resolve()
+    for root in roots:
+        r = root.resolve()
+        if p == r or r in p.parents:
+            return p
+    raise PoolError(f"adapter path {raw!r} is outside the allowed roots",
+                    "pass a path under --adapter-dir or one given at start-up", status=403)
+
+
+class AdapterPool:
+    def __init__(
+        self,
+        load: Callable[[str, Path], int],
+        unload: Callable[[str], None],
+        max_adapters: int,
+        adapter_dir: Path | None = None,
+        allowed_roots: list[Path] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_adapters < 1:
+            raise PoolError("--max-adapters must be at least 1", "")
+        self._load, self._unload = load, unload
+        self.max_adapters = max_adapters
+        self.adapter_dir = adapter_dir
+        self.allowed_roots = list(allowed_roots or []) + ([adapter_dir] if adapter_dir else [])
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._entries: dict[str, PoolEntry] = {}
+        self._loading: set[str] = set()
+        self.stats = PoolStats()
+
+    # -- queries -------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def states(self) -> list[dict]:
+        with self._lock:
+            return [e.state() for e in self._entries.values()]
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._entries
+
+    # -- loading -------------------------------------------------------------------------------
+    def add(self, name: str, path: str | Path, pinned: bool = False, trusted: bool = False,
+            hold: bool = False) -> PoolEntry:
+        """Load ``name`` from ``path`` (inside the allowed roots unless ``trusted``), evicting if needed.
+        With ``hold`` the entry comes back with one reference taken, so it cannot be evicted before use."""
+        check_name(name)
+        p = Path(path).expanduser().resolve() if trusted else resolve_inside(path, self.allowed_roots)
+        if trusted:
+            self.allowed_roots.append(p)
+        with self._lock:
+            while name in self._loading:
+                self._lock.wait()
+            if name in self._entries:
+                raise PoolError(f"adapter {name!r} is already loaded", "unload it first", status=409)
+            self._make_room()
+            self._loading.add(name)
+        try:
+            nbytes = self._load(name, p)
+        except BaseException:
+            with self._lock:
+                self._loading.discard(name)
+                self._lock.notify_all()
+            raise
+        with self._lock:
+            self._loading.discard(name)
+            entry = PoolEntry(name, p, pinned=pinned, refs=int(hold), nbytes=nbytes, loaded_at=self._clock(),
+                              last_used=self._clock())
+            self._entries[name] = entry
+            self.stats.loads += 1
+            self._lock.notify_all()
+            return entry
+
+    def _make_room(self) -> None:
+        """Evict LRU idle unpinned adapters until one slot is free (lock held)."""
+        while len(self._entries) + len(self._loading) >= self.max_adapters:
+            idle = [e for e in self._entries.values() if not e.pinned and e.refs == 0]
+            if not idle:
+                raise PoolError(f"all {self.max_adapters} adapter slots are pinned or in use",
+                                "retry later, unload an adapter, or raise --max-adapters", status=503)
+            victim = min(idle, key=lambda e: e.last_used)
+            del self._entries[victim.name]
+            self._unload(victim.name)
+            self.stats.evictions += 1
+
+    def remove(self, name: str) -> None:
+        """Unload ``name``; refused (409) while requests use it."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise PoolError(f"adapter {name!r} is not loaded", "", status=404)
+            if entry.refs:
+                raise PoolError(f"adapter {name!r} is in use by {entry.refs} request(s)", "retry later", status=409)
+            del self._entries[name]
+            self._unload(name)
+
+    @contextmanager
+    def use(self, name: str) -> Iterator[PoolEntry]:
+        """Hold ``name`` for one request (loading it from ``adapter_dir`` on demand)."""
+        check_name(name)
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None:
+                entry.refs += 1
+                entry.hits += 1
+                self.stats.hits += 1
+        if entry is None:
+            self.stats.misses += 1
+            candidate = self.adapter_dir / name if self.adapter_dir else None
+            if candidate is None or not (candidate / "adapter_config.json").exists() and not any(
+                    candidate.glob("*.gguf") if candidate.is_dir() else []):
+                raise PoolError(f"adapter {name!r} is not loaded", "load it first (POST /v1/adapters)", status=404)
+            try:
+                entry = self.add(name, candidate, hold=True)
+            except PoolError as e:
+                if e.status != 409:
+                    raise
+                with self._lock:  # another request loaded it meanwhile
+                    entry = self._entries.get(name)
+                    if entry is None:
+                        raise PoolError(f"adapter {name!r} was evicted while loading", "retry", status=503) from e
+                    entry.refs += 1
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                entry.refs -= 1
+                entry.last_used = self._clock()
+                self._lock.notify_all()

@@ -1,0 +1,122 @@
+"""The adapter pool: capacity, LRU, pinning, reference counts, on-demand loading, path rules."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from serve.pool import AdapterPool, PoolError
+
+
+class FakeEngine:
+    """Records what the pool asks the engine to do (the pool is engine-agnostic)."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        self.log: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def load(self, name, path) -> int:
+        with self.lock:
+            assert name not in self.loaded
+            self.loaded.add(name)
+            self.log.append(("load", name))
+        return 100
+
+    def unload(self, name) -> None:
+        with self.lock:
+            self.loaded.remove(name)
+            self.log.append(("unload", name))
+
+
+def make_dirs(root, names):
+    for n in names:
+        (root / n).mkdir(parents=True)
+        (root / n / "adapter_config.json").write_text("{}")
+    return root
+
+
+@pytest.fixture
+def setup(tmp_path):
+    eng = FakeEngine()
+    ticks = iter(range(10_000))
+    pool = AdapterPool(eng.load, eng.unload, max_adapters=2, adapter_dir=make_dirs(tmp_path / "ad", "abcde"),
+                       clock=lambda: next(ticks))
+    return pool, eng, tmp_path / "ad"
+
+
+def test_lru_eviction_keeps_capacity(setup):
+    pool, eng, root = setup
+    pool.add("a", root / "a")
+    pool.add("b", root / "b")
+    with pool.use("a"):
+        pass  # a is now more recent than b
+    pool.add("c", root / "c")
+    assert sorted(pool.names()) == ["a", "c"] and eng.loaded == {"a", "c"}
+    assert pool.stats.evictions == 1 and ("unload", "b") in eng.log
+
+
+def test_pinned_and_in_use_are_never_evicted(setup):
+    pool, eng, root = setup
+    pool.add("a", root / "a", pinned=True)
+    pool.add("b", root / "b")
+    with pool.use("b"):
+        with pytest.raises(PoolError) as e:
+            pool.add("c", root / "c")
+        assert e.value.status == 503
+        with pytest.raises(PoolError) as e:
+            pool.remove("b")
+        assert e.value.status == 409
+    pool.add("c", root / "c")  # b is idle now
+    assert sorted(pool.names()) == ["a", "c"]
+
+
+def test_on_demand_load_and_404(setup, tmp_path):
+    pool, eng, root = setup
+    with pool.use("d") as entry:
+        assert entry.refs == 1 and "d" in eng.loaded
+    with pytest.raises(PoolError) as e, pool.use("zzz"):
+        pass
+    assert e.value.status == 404
+
+
+def test_paths_and_names_are_checked(setup, tmp_path):
+    pool, eng, root = setup
+    outside = make_dirs(tmp_path / "elsewhere", ["x"]) / "x"
+    for path, status in [(outside, 403), (root / ".." / "elsewhere" / "x", 403)]:
+        with pytest.raises(PoolError) as e:
+            pool.add("x", path)
+        assert e.value.status == status
+    with pytest.raises(PoolError) as e:
+        pool.add("bad/name", root / "a")
+    assert e.value.status == 400
+    pool.add("x", outside, trusted=True)  # start-up paths are trusted
+    assert "x" in pool
+
+
+def test_concurrent_use_never_loses_an_adapter_in_use(tmp_path):
+    eng = FakeEngine()
+    root = make_dirs(tmp_path / "ad", [f"n{i}" for i in range(5)])
+    pool = AdapterPool(eng.load, eng.unload, max_adapters=2, adapter_dir=root)
+    errors = []
+
+    def worker(k: int) -> None:
+        for i in range(200):
+            name = f"n{(k + i) % 5}"
+            try:
+                with pool.use(name):
+                    assert name in eng.loaded
+            except PoolError as e:
+                if e.status != 503:  # all slots busy is a legal answer under contention
+                    errors.append(e)
+            except AssertionError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(eng.loaded) <= 2 and pool.stats.loads >= 5
