@@ -1,0 +1,1 @@
+"""One module per engine behind the small interface in ``base``."""

@@ -1,0 +1,230 @@
+"""llama.cpp through llama-cpp-python's low-level API: one model, GGUF LoRAs attached per request,
+worker contexts over the same model.
+
+A context's adapter set is replaced (``llama_set_adapters_lora``) and its KV cache cleared before every
+request, so a cache is never reused across adapter sets. Adapters are validated against the model
+(architecture, tensor names, shapes) before llama.cpp sees them: a bad file would give a NULL adapter,
+and a NULL adapter segfaults at decode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from convert.errors import UserError
+
+from .base import GenerationRequest
+
+
+def _read_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:
+        raise UserError(f"{path} is not a valid GGUF file ({type(e).__name__})", "re-export it") from e
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    try:
+        return f.contents() if f is not None else None
+    except Exception:
+        return None
+
+
+class LlamaCppEngine:
+    def __init__(self, model_path: Path, n_ctx: int = 2048, n_workers: int = 2, n_threads: int | None = None,
+                 kv_f32: bool = False) -> None:
+        import llama_cpp
+
+        from convert.gguf.quantize import quiet_llamacpp
+
+        self.lc = llama_cpp
+        self.model_path = Path(model_path)
+        reader = _read_gguf(self.model_path)
+        self.arch = _field(reader, "general.architecture")
+        # torch-order shapes (GGUF stores ne reversed)
+        self.tensor_shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+        del reader
+        with quiet_llamacpp():
+            llama_cpp.llama_backend_init()
+            mp = llama_cpp.llama_model_default_params()
+            mp.n_gpu_layers = 0
+            self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
+        if not self.model:
+            raise UserError(f"llama.cpp could not load {self.model_path}", "check the file with tuneport inspect")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx = n_ctx
+        self._adapters: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._free: queue.Queue = queue.Queue()
+        self._contexts = []
+        for _ in range(n_workers):
+            cp = llama_cpp.llama_context_default_params()
+            cp.n_ctx = cp.n_batch = n_ctx
+            cp.n_ubatch = min(n_ctx, 512)
+            cp.n_seq_max = 1
+            if n_threads:
+                cp.n_threads = cp.n_threads_batch = n_threads
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            if kv_f32:
+                cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
+            ctx = llama_cpp.llama_init_from_model(self.model, cp)
+            if not ctx:
+                raise RuntimeError("llama.cpp could not create a context")
+            self._contexts.append(ctx)
+            self._free.put(ctx)
+
+    # -- adapters ------------------------------------------------------------------------------
+    def check_adapter(self, path: Path) -> int:
+        """Validate a GGUF LoRA against this model; return its size in bytes."""
+        if not path.is_file():
+            raise UserError(f"{path} is not a GGUF LoRA file", "pass a file written by tuneport export --target gguf")
+        r = _read_gguf(path)
+        if _field(r, "general.type") != "adapter" or _field(r, "adapter.type") != "lora":
+            raise UserError(f"{path.name} is not a GGUF LoRA adapter", "export it with --adapters separate")
+        if _field(r, "general.architecture") != self.arch:
+            raise UserError(f"{path.name} is for architecture {_field(r, 'general.architecture')!r}, "
+                            f"the model is {self.arch!r}", "use an adapter made for this base")
+        pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+        for t in r.tensors:
+            base, _, part = t.name.rpartition(".")
+            if part not in ("lora_a", "lora_b"):
+                raise UserError(f"{path.name}: unexpected tensor {t.name}", "re-export the adapter")
+            pairs.setdefault(base, {})[part] = tuple(int(x) for x in reversed(t.shape.tolist()))
+        for base, ab in pairs.items():
+            shape = self.tensor_shapes.get(base)
+            if shape is None or len(ab) != 2:
+                raise UserError(f"{path.name}: {base} is not in the model or lacks lora_a/lora_b",
+                                "the adapter was made for another base")
+            a, b = ab["lora_a"], ab["lora_b"]
+            if base == "token_embd.weight":
+                ok = a[0] == shape[0] and b[0] == shape[1] and a[1] == b[1]
+            else:
+                ok = a[1] == shape[1] and b[0] == shape[0] and a[0] == b[1]
+            if not ok:
+                raise UserError(f"{path.name}: {base} LoRA shapes {list(a)}, {list(b)} do not fit the model's "
+                                f"{list(shape)}", "the adapter was made for another base")
+        return path.stat().st_size
+
+    def load_adapter(self, name: str, path: Path) -> int:
+        nbytes = self.check_adapter(Path(path))
+        ptr = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
+        if not ptr:  # NULL pointer: falsy, not None
+            raise UserError(f"llama.cpp refused adapter {name} ({path.name})", "re-export the adapter for this base")
+        with self._lock:
+            self._adapters[name] = ptr
+        return nbytes
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            ptr = self._adapters.pop(name)
+        self.lc.llama_adapter_lora_free(ptr)
+
+    # -- generation ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[object]:
+        ctx = self._free.get()
+        try:
+            yield ctx
+        finally:
+            self._free.put(ctx)
+
+    def _set_adapters(self, ctx, adapters: dict[str, float]) -> None:
+        lc = self.lc
+        with self._lock:
+            missing = [n for n in adapters if n not in self._adapters]
+            if missing:
+                raise UserError(f"adapter(s) {missing} not loaded", "load them first")
+            ptrs = [self._adapters[n] for n in adapters]
+        n = len(ptrs)
+        if n:
+            arr = (lc.llama_adapter_lora_p_ctypes * n)(*ptrs)
+            scales = (ctypes.c_float * n)(*adapters.values())
+            lc.llama_set_adapters_lora(ctx, arr, n, scales)
+        else:
+            lc.llama_set_adapters_lora(ctx, None, 0, None)
+
+    def _decode(self, ctx, batch, tokens: list[int], start: int) -> None:
+        batch.n_tokens = len(tokens)
+        for i, tok in enumerate(tokens):
+            batch.token[i] = tok
+            batch.pos[i] = start + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i == len(tokens) - 1
+        if self.lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def generate(self, request: GenerationRequest) -> Iterator[int]:
+        """Tokens one at a time for ``request`` (prompt already tokenized)."""
+        lc = self.lc
+        prompt = list(request.prompt_tokens)
+        if not prompt or len(prompt) + request.max_tokens > self.n_ctx:
+            raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
+                            f"context of {self.n_ctx}", "shorten the prompt or lower max_tokens")
+        rng = np.random.default_rng(request.seed)
+        with self._context() as ctx:
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)  # never reuse a cache across adapter sets
+            self._set_adapters(ctx, request.adapters)
+            batch = lc.llama_batch_init(len(prompt), 0, 1)
+            try:
+                self._decode(ctx, batch, prompt, 0)
+                pos = len(prompt)
+                for _ in range(request.max_tokens):
+                    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(self.n_vocab,))
+                    tok = self._sample(logits, request, rng)
+                    eog = not request.ignore_eos and lc.llama_vocab_is_eog(self.vocab, tok)
+                    if tok in request.stop_tokens or eog:
+                        return
+                    yield tok
+                    self._decode(ctx, batch, [tok], pos)
+                    pos += 1
+            finally:
+                lc.llama_batch_free(batch)
+                lc.llama_set_adapters_lora(ctx, None, 0, None)  # no context keeps a pointer to an adapter
+
+    @staticmethod
+    def _sample(logits: np.ndarray, request: GenerationRequest, rng) -> int:
+        if request.temperature <= 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / request.temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if request.top_p < 1.0:
+            order = np.argsort(-p)
+            keep = order[: int(np.searchsorted(np.cumsum(p[order]), request.top_p) + 1)]
+            mask = np.zeros_like(p)
+            mask[keep] = p[keep]
+            p = mask / mask.sum()
+        return int(rng.choice(len(p), p=p))
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        lc = self.lc
+        data = text.encode()
+        buf = (lc.llama_token * (len(data) + 8))()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, len(buf), add_bos, special)
+        if n < 0:
+            raise RuntimeError("tokenize buffer too small")
+        return list(buf[:n])
+
+    def close(self) -> None:
+        for ctx in self._contexts:
+            self.lc.llama_free(ctx)
+        self._contexts = []
+        with self._lock:
+            for ptr in self._adapters.values():
+                self.lc.llama_adapter_lora_free(ptr)
+            self._adapters.clear()
+        if self.model:
+            self.lc.llama_model_free(self.model)
+            self.model = None
