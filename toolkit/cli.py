@@ -148,6 +148,37 @@ def export(
           "outputs": manifest["outputs"], **extra}, as_json, human)
 
 
+class EngineChoice(str, Enum):
+    auto = "auto"
+    llamacpp = "llamacpp"
+    vllm = "vllm"
+    exllamav3 = "exllamav3"
+
+
+@app.command()
+def serve(
+    base: Annotated[str, typer.Option("--base", help="GGUF file, or HF model dir (converted once to GGUF)")],
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="NAME=PATH (GGUF LoRA or PEFT dir)")] = None,
+    adapter_dir: Annotated[Path | None, typer.Option("--adapter-dir", help="Load DIR/<name> on demand")] = None,
+    engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
+    max_adapters: Annotated[int, typer.Option("--max-adapters", help="Adapters loaded at once")] = 8,
+    no_pin: Annotated[bool, typer.Option("--no-pin", help="Start-up adapters may be evicted too")] = False,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    api_key_file: Annotated[Path | None, typer.Option("--api-key-file", help="Require Bearer <key>")] = None,
+    n_ctx: Annotated[int, typer.Option("--n-ctx", help="Context length per worker")] = 2048,
+    workers: Annotated[int, typer.Option("--workers", help="Parallel llama.cpp contexts")] = 2,
+) -> None:
+    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp engine)."""
+    from serve.run import serve_llamacpp
+
+    if engine in (EngineChoice.vllm, EngineChoice.exllamav3):
+        raise UserError(f"--engine {engine.value} is not available in this version of tuneport",
+                        "use --engine llamacpp (or auto)")
+    serve_llamacpp(base, adapter or [], adapter_dir, max_adapters, not no_pin, host, port, api_key_file,
+                   n_ctx, workers)
+
+
 @app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Python, torch, which engines are importable, CUDA, versions."""

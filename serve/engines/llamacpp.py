@@ -217,6 +217,30 @@ class LlamaCppEngine:
             raise RuntimeError("tokenize buffer too small")
         return list(buf[:n])
 
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (special tokens rendered as empty)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def piece_text(self, token: int) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = self.lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def special_token(self, kind: str) -> int | None:
+        fn = {"bos": self.lc.llama_vocab_bos, "eos": self.lc.llama_vocab_eos}[kind]
+        tok = fn(self.vocab)
+        return tok if tok >= 0 else None
+
     def close(self) -> None:
         for ctx in self._contexts:
             self.lc.llama_free(ctx)

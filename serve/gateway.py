@@ -1,0 +1,177 @@
+"""OpenAI-compatible gateway (FastAPI): completions, chat, models, adapter admin, health, metrics.
+
+With an API key every route needs ``Authorization: Bearer <key>``; adapter paths must lie inside
+``--adapter-dir`` or the start-up paths; adapter names match ``[A-Za-z0-9._-]{1,64}``; bodies are
+size-limited.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import hmac
+import time
+import uuid
+from collections.abc import Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+
+from convert.errors import UserError
+
+from .pool import PoolError
+from .service import LlamaCppService, dumps, gen_request
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt: list[int], body: dict
+                   ) -> Iterator[tuple[str, str | None, int]]:
+    """(text delta, finish reason or None, tokens so far); holds the adapters for the whole generation."""
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else list(stops)
+    with contextlib.ExitStack() as stack:
+        for name in adapters:
+            stack.enter_context(service.pool.use(name))
+        req = gen_request(prompt, adapters, body)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text, sent, n, stopped = "", 0, 0, False
+        hold = max((len(s) - 1 for s in stops if s), default=0)  # a stop string may still be forming
+        for n, tok in enumerate(service.engine.generate(req), start=1):
+            text += decoder.decode(service.engine.piece(tok))
+            hit = next((s for s in stops if s and s in text), None)
+            if hit:
+                text, stopped = text[: text.index(hit)], True
+                break
+            if len(text) - hold > sent:
+                yield text[sent : len(text) - hold], None, n
+                sent = len(text) - hold
+        finish = "length" if not stopped and n >= req.max_tokens else "stop"
+        yield text[sent:], finish, n
+
+
+def create_app(service: LlamaCppService, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="tuneport gateway")
+    metrics = service.metrics
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key:
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "missing or wrong API key", "authentication_error")
+        if int(request.headers.get("content-length") or 0) > max_body:
+            return _error(413, f"request body over {max_body} bytes")
+        metrics.inc("http_requests_total")
+        return await call_next(request)
+
+    @app.exception_handler(PoolError)
+    async def pool_error(_: Request, e: PoolError):
+        return _error(e.status, e.line())
+
+    @app.exception_handler(UserError)
+    async def user_error(_: Request, e: UserError):
+        return _error(400, e.line())
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": service.name, "adapters": len(service.pool.names())}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(service.pool))
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": service.name, "object": "model", "created": service.created, "owned_by": "tuneport"}]
+        data += [{"id": n, "object": "model", "created": service.created, "owned_by": "tuneport",
+                  "parent": service.name} for n in service.pool.names()]
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/adapters")
+    async def adapters():
+        return {"adapters": service.pool.states(), "max_adapters": service.pool.max_adapters}
+
+    @app.post("/v1/adapters", status_code=201)
+    async def load(body: dict):
+        if not isinstance(body.get("name"), str) or not isinstance(body.get("path"), str):
+            raise PoolError("body needs 'name' and 'path' strings", "", status=400)
+        entry = await run_in_threadpool(service.pool.add, body["name"], body["path"])
+        return entry.state()
+
+    @app.delete("/v1/adapters/{name}")
+    async def unload(name: str):
+        await run_in_threadpool(service.pool.remove, name)
+        return {"name": name, "unloaded": True}
+
+    async def generate(body: dict, prompt: list[int], chat: bool):
+        model = body.get("model") or service.name
+        adapters = service.adapters_for(model, body.get("adapters"))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created, start = int(time.time()), time.perf_counter()
+        obj = "chat.completion" if chat else "text_completion"
+        metrics.inc("requests_total")
+        if body.get("stream"):
+            def events() -> Iterator[str]:
+                first = True
+                n = 0
+                for delta, finish, n in _stream_tokens(service, adapters, prompt, body):  # noqa: B007
+                    if chat:
+                        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+                        choice = {"index": 0, "delta": d, "finish_reason": finish}
+                    else:
+                        choice = {"index": 0, "text": delta, "finish_reason": finish}
+                    first = False
+                    yield "data: " + dumps({"id": rid, "object": obj + (".chunk" if chat else ""),
+                                            "created": created, "model": model, "choices": [choice]}) + "\n\n"
+                metrics.inc("completion_tokens_total", n)
+                metrics.observe(time.perf_counter() - start)
+                yield "data: [DONE]\n\n"
+
+            for name in adapters:  # answer 404 before the stream starts
+                if name not in service.pool and not service.pool.adapter_dir:
+                    raise PoolError(f"adapter {name!r} is not loaded", "load it first", status=404)
+            return StreamingResponse(iterate_in_threadpool(events()), media_type="text/event-stream")
+
+        def collect():
+            text, finish, count = "", None, 0
+            for delta, fin, count in _stream_tokens(service, adapters, prompt, body):  # noqa: B007
+                text += delta
+                finish = fin or finish
+            return text, finish, count
+
+        text, finish, n = await run_in_threadpool(collect)
+        metrics.inc("completion_tokens_total", n)
+        metrics.inc("prompt_tokens_total", len(prompt))
+        metrics.observe(time.perf_counter() - start)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                  if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            tokens = list(prompt)
+        elif isinstance(prompt, str):
+            tokens = service.tokenize(prompt)
+        else:
+            raise PoolError("prompt must be a string or a list of token ids", "", status=400)
+        return await generate(body, tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: dict):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise PoolError("messages must be a non-empty list", "", status=400)
+        return await generate(body, service.render_chat(messages), chat=True)
+
+    return app
