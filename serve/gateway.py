@@ -30,9 +30,10 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt: list[int], body: dict
-                   ) -> Iterator[tuple[str, str | None, int]]:
-    """(text delta, finish reason or None, tokens so far); holds the adapters for the whole generation."""
+def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt: list[int], body: dict,
+                   token_ids: list[int] | None = None) -> Iterator[tuple[str, str | None, int]]:
+    """(text delta, finish reason or None, tokens so far); holds the adapters for the whole generation.
+    Generated token ids are appended to ``token_ids`` when given."""
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else list(stops)
     with contextlib.ExitStack() as stack:
@@ -43,6 +44,8 @@ def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt:
         text, sent, n, stopped = "", 0, 0, False
         hold = max((len(s) - 1 for s in stops if s), default=0)  # a stop string may still be forming
         for n, tok in enumerate(service.engine.generate(req), start=1):
+            if token_ids is not None:
+                token_ids.append(tok)
             text += decoder.decode(service.engine.piece(tok))
             hit = next((s for s in stops if s and s in text), None)
             if hit:
@@ -138,9 +141,11 @@ def create_app(service: LlamaCppService, api_key: str | None = None, max_body: i
                     raise PoolError(f"adapter {name!r} is not loaded", "load it first", status=404)
             return StreamingResponse(iterate_in_threadpool(events()), media_type="text/event-stream")
 
+        ids: list[int] = []
+
         def collect():
             text, finish, count = "", None, 0
-            for delta, fin, count in _stream_tokens(service, adapters, prompt, body):  # noqa: B007
+            for delta, fin, count in _stream_tokens(service, adapters, prompt, body, ids):  # noqa: B007
                 text += delta
                 finish = fin or finish
             return text, finish, count
@@ -151,6 +156,8 @@ def create_app(service: LlamaCppService, api_key: str | None = None, max_body: i
         metrics.observe(time.perf_counter() - start)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                   if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        if body.get("return_token_ids"):  # extension: the generated token ids
+            choice["token_ids"] = ids
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}}
 

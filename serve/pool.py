@@ -87,6 +87,7 @@ class AdapterPool:
         adapter_dir: Path | None = None,
         allowed_roots: list[Path] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        slot_wait_s: float = 30.0,
     ) -> None:
         if max_adapters < 1:
             raise PoolError("--max-adapters must be at least 1", "")
@@ -95,6 +96,7 @@ class AdapterPool:
         self.adapter_dir = adapter_dir
         self.allowed_roots = list(allowed_roots or []) + ([adapter_dir] if adapter_dir else [])
         self._clock = clock
+        self.slot_wait_s = slot_wait_s  # how long a load waits for an adapter in use to become idle
         self._lock = threading.Condition()
         self._entries: dict[str, PoolEntry] = {}
         self._loading: set[str] = set()
@@ -146,10 +148,17 @@ class AdapterPool:
             return entry
 
     def _make_room(self) -> None:
-        """Evict LRU idle unpinned adapters until one slot is free (lock held)."""
+        """Evict LRU idle unpinned adapters until one slot is free (lock held). When every slot is in
+        use, wait (up to ``slot_wait_s``) for a request to finish; pinned-only pools fail at once."""
+        deadline = time.monotonic() + self.slot_wait_s
         while len(self._entries) + len(self._loading) >= self.max_adapters:
             idle = [e for e in self._entries.values() if not e.pinned and e.refs == 0]
             if not idle:
+                evictable_later = any(not e.pinned for e in self._entries.values()) or self._loading
+                left = deadline - time.monotonic()
+                if evictable_later and left > 0:
+                    self._lock.wait(timeout=left)
+                    continue
                 raise PoolError(f"all {self.max_adapters} adapter slots are pinned or in use",
                                 "retry later, unload an adapter, or raise --max-adapters", status=503)
             victim = min(idle, key=lambda e: e.last_used)

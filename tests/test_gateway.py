@@ -26,10 +26,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Running:
+    """A uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.srv.run, daemon=True)
+        self.thread.start()
+        for _ in range(400):
+            if self.srv.started:
+                break
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.srv.should_exit = True
+        self.thread.join(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def server(zoo, tmp_path_factory):
-    import uvicorn
-
     root = tmp_path_factory.mktemp("gw")
     gguf = root / "gguf"
     export_gguf(zoo.base("llama"), [AdapterArg(zoo.adapter("llama", v), name=v) for v in ("plain", "rslora")],
@@ -44,19 +63,9 @@ def server(zoo, tmp_path_factory):
     shutil.copytree(zoo.adapter("llama", "all_linear"), adapter_dir / "peft_all_linear")
     service = build(str(gguf / "llama-fp32-F32.gguf"), [f"plain={gguf / 'adapters' / 'plain-F32.gguf'}"],
                     adapter_dir, max_adapters=3, pin=True, n_ctx=128, workers=2, kv_f32=True)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(service, api_key=KEY), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "service": service, "adapter_dir": adapter_dir, "gguf": gguf,
-           "outside": root}
-    srv.should_exit = True
-    thread.join(timeout=30)
+    run = Running(create_app(service, api_key=KEY))
+    yield {"url": run.url, "service": service, "adapter_dir": adapter_dir, "gguf": gguf, "outside": root}
+    run.stop()
     service.close()
 
 
@@ -129,3 +138,101 @@ def test_metrics(server):
     text = client(server).get("/metrics").text
     assert "tuneport_requests_total" in text and "tuneport_adapter_loads_total" in text
     assert 'tuneport_request_latency_seconds_bucket{le="+Inf"}' in text
+
+
+def test_mixed_load_matches_fresh_instances_and_peft(server, zoo):
+    """200 greedy requests mixing the base and 3 adapters at concurrency 8."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests_helpers import fresh_greedy
+
+    from toolkit.fidelity import greedy, load_peft
+
+    c = client(server)
+    gguf = server["gguf"]
+    extra = {"all_linear": zoo.adapter("llama", "all_linear")}
+    export_gguf(zoo.base("llama"), [AdapterArg(extra["all_linear"], name="all_linear")], gguf.parent / "g2",
+                mode="separate", quant="f32")
+    lora_files = {"plain": gguf / "adapters" / "plain-F32.gguf", "rslora": gguf / "adapters" / "rslora-F32.gguf",
+                  "all_linear": gguf.parent / "g2" / "adapters" / "all_linear-F32.gguf"}
+    shutil.copy(lora_files["all_linear"], server["adapter_dir"] / "all_linear.gguf")
+    assert c.post("/v1/adapters", json={"name": "all_linear",
+                                        "path": str(server["adapter_dir"] / "all_linear.gguf")}).status_code == 201
+    assert c.post("/v1/adapters", json={"name": "rslora",
+                                        "path": str(server["adapter_dir"] / "rslora.gguf")}).status_code == 201
+    prompts = [[1, 50, 60, 70], [1, 200, 300, 411, 7], [1, 9, 8, 7, 6, 5], [1, 100], [1, 33, 44]]
+    model = gguf / "llama-fp32-F32.gguf"
+    names = [None, "plain", "all_linear", "rslora"]
+    want = {(n, i): fresh_greedy(model, lora_files.get(n), p, 16) for n in names for i, p in enumerate(prompts)}
+    for n in names[1:]:
+        peft_model = load_peft(zoo.base("llama"), zoo.adapter("llama", n))
+        for i, p in enumerate(prompts):
+            assert want[(n, i)][:8] == greedy(peft_model, p, 8), (n, i)
+    jobs = [(names[k % 4], (k // 4) % len(prompts)) for k in range(200)]
+
+    def ask(job):
+        n, i = job
+        r = c.post("/v1/completions", json={"model": n or "llama-fp32-F32", "prompt": prompts[i], "max_tokens": 16,
+                                            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(ask, jobs))
+    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r[0] != 200 or r[1] != want[j]]
+    assert not bad, bad[:2]
+    c.delete("/v1/adapters/all_linear")
+    c.delete("/v1/adapters/rslora")
+
+
+def test_churn_with_two_slots_and_five_adapters(zoo, tmp_path):
+    """--max-adapters 2, 5 adapters loaded on demand, evicted and unloaded under traffic: 0 wrong, no 5xx."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests_helpers import fresh_greedy
+
+    variants = ["plain", "all_linear", "rslora", "patterns", "regex"]
+    gguf = tmp_path / "gguf"
+    export_gguf(zoo.base("llama"), [AdapterArg(zoo.adapter("llama", v), name=v) for v in variants], gguf,
+                mode="separate", quant="f32")
+    adapter_dir = tmp_path / "adapters"
+    adapter_dir.mkdir()
+    for v in variants:
+        (adapter_dir / v).mkdir()
+        shutil.copy(gguf / "adapters" / f"{v}-F32.gguf", adapter_dir / v / "adapter.gguf")
+    model = gguf / "llama-fp32-F32.gguf"
+    prompts = [[1, 50, 60, 70], [1, 9, 8, 7]]
+    want = {(v, i): fresh_greedy(model, gguf / "adapters" / f"{v}-F32.gguf", p, 8)
+            for v in variants for i, p in enumerate(prompts)}
+    service = build(str(model), [], adapter_dir, max_adapters=2, pin=True, n_ctx=64, workers=2, kv_f32=True)
+    run = Running(create_app(service))
+    try:
+        c = httpx.Client(base_url=run.url, timeout=120)
+        stop = threading.Event()
+
+        def admin():
+            rng = random.Random(0)
+            while not stop.is_set():
+                c.delete(f"/v1/adapters/{rng.choice(variants)}")  # 200, 404 (not loaded) or 409 (in use)
+                time.sleep(0.01)
+
+        def ask(k):
+            v, i = variants[k % 5], k % 2
+            r = c.post("/v1/completions", json={"model": v, "prompt": prompts[i], "max_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True, "return_token_ids": True})
+            return (v, i), r.status_code, (r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text)
+
+        admin_thread = threading.Thread(target=admin)
+        admin_thread.start()
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(ask, range(120)))
+        stop.set()
+        admin_thread.join()
+        bad = [r for r in results if r[1] != 200 or r[2] != want[r[0]]]
+        assert not bad, bad[:3]
+        assert service.pool.stats.evictions > 0 and len(service.pool.names()) <= 2
+        r = c.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 404
+    finally:
+        run.stop()
+        service.close()

@@ -7,13 +7,14 @@ import shutil
 import threading
 
 import pytest
+from tests_helpers import fresh_greedy
 
 from convert.errors import UserError
 from convert.export_hf import AdapterArg
 from convert.gguf.export import export_gguf
 from serve.engines.base import GenerationRequest
 from serve.engines.llamacpp import LlamaCppEngine
-from toolkit.fidelity import greedy, llamacpp_model, load_peft
+from toolkit.fidelity import greedy, load_peft
 
 pytestmark = pytest.mark.llamacpp
 ADAPTERS = ["plain", "all_linear", "rslora"]
@@ -27,21 +28,6 @@ def bundle(zoo, tmp_path_factory):
     export_gguf(zoo.base("llama"), [AdapterArg(zoo.adapter("llama", v), name=v) for v in ADAPTERS], out,
                 mode="separate", quant="f32")
     return out
-
-
-def fresh_greedy(model, lora, prompt, n):
-    llm = llamacpp_model(model, lora)
-    try:
-        llm.reset()
-        llm.eval(prompt)
-        out = []
-        for _ in range(n):
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
-            out.append(tok)
-            llm.eval([tok])
-        return out
-    finally:
-        llm.close()
 
 
 def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
