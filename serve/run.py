@@ -54,10 +54,16 @@ def build(base: str, adapters: list[str], adapter_dir: Path | None, max_adapters
 
 def serve_llamacpp(base: str, adapters: list[str], adapter_dir: Path | None, max_adapters: int, pin: bool,
                    host: str, port: int, api_key_file: Path | None, n_ctx: int, workers: int) -> None:
+    import signal
+
     import uvicorn
 
     key = read_api_key(api_key_file)
     service = build(base, adapters, adapter_dir, max_adapters, pin, n_ctx, workers)
+    # uvicorn finishes in-flight requests on SIGINT/SIGTERM, then re-raises the signal to the handler it
+    # found: make that a no-op so a graceful stop exits with code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         uvicorn.run(create_app(service, api_key=key), host=host, port=port, log_level="warning",
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

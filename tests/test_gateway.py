@@ -236,3 +236,42 @@ def test_churn_with_two_slots_and_five_adapters(zoo, tmp_path):
     finally:
         run.stop()
         service.close()
+
+
+def test_tuneport_serve_cli_starts_answers_and_stops_on_sigterm(zoo, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    gguf = tmp_path / "gguf"
+    export_gguf(zoo.base("llama"), [AdapterArg(zoo.adapter("llama", "plain"), name="plain")], gguf,
+                mode="separate", quant="f32")
+    key = tmp_path / "key"
+    key.write_text("k1\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", "--base", str(gguf / "llama-fp32-F32.gguf"),
+                             "--adapter", f"plain={gguf / 'adapters' / 'plain-F32.gguf'}", "--port", str(port),
+                             "--api-key-file", str(key), "--n-ctx", "64", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k1"}, timeout=30)
+        for _ in range(300):
+            try:
+                if c.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        r = c.post("/v1/completions", json={"model": "plain", "prompt": "The model", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+
+
+def test_serve_bad_input_exits_2(tmp_path, cli):
+    code, _, err = cli("serve", "--base", tmp_path / "nope.gguf")
+    assert code == 2 and "neither a GGUF file nor a model directory" in err
+    code, _, err = cli("serve", "--base", tmp_path / "x.gguf", "--engine", "vllm")
+    assert code == 2 and "not available" in err
