@@ -2,7 +2,8 @@
 
 Builds a tiny llama base and two PEFT adapters, merges one (and checks the merged model against PEFT),
 exports the other for vLLM as base + adapter, exports the base to GGUF Q8_0 with both adapters as GGUF
-LoRAs and Ollama Modelfiles (and runs them in llama.cpp), and prints ``inspect`` for each.
+LoRAs and Ollama Modelfiles (and runs them in llama.cpp), serves the base with both adapters through
+tuneport's gateway (one request per adapter), and prints ``inspect`` for each.
 """
 
 from __future__ import annotations
@@ -80,10 +81,39 @@ def run_demo(out: Path, force: bool = True) -> dict:
     except ImportError:
         console.print("llama-cpp-python is not installed: skipped running the GGUF files")
 
-    console.rule("[bold]5. tuneport inspect")
+    served = {}
+    try:
+        served = _serve_demo(model_file, gguf_dir, gm["loras"])
+    except ImportError:
+        console.print("llama-cpp-python is not installed: skipped serving")
+
+    console.rule("[bold]6. tuneport inspect")
     for path in (base, chat, style, merged, bundle / "adapters" / "style", model_file,
                  gguf_dir / gm["loras"]["style"]):
         console.print(format_report(inspect_path(str(path))), markup=False, highlight=False, soft_wrap=True)
         console.print()
     return {"base": str(base), "merged": str(merged), "bundle": str(bundle), "gguf": str(gguf_dir),
-            "fidelity": cmp.as_dict(), "gguf_fidelity": gguf_fidelity}
+            "fidelity": cmp.as_dict(), "gguf_fidelity": gguf_fidelity, "served": served}
+
+
+def _serve_demo(model_file: Path, gguf_dir: Path, loras: dict[str, str]) -> dict[str, str]:
+    """Serve the GGUF base with both LoRAs (the gateway tuneport serve runs) and ask each the same."""
+    from fastapi.testclient import TestClient
+
+    from serve.gateway import create_app
+    from serve.run import build
+
+    console.rule("[bold]5. tuneport serve --engine llamacpp: one base, adapters picked per request")
+    service = build(str(model_file), [f"{n}={gguf_dir / p}" for n, p in loras.items()], None, max_adapters=4,
+                    pin=True, n_ctx=128, workers=1)
+    answers = {}
+    try:
+        client = TestClient(create_app(service))
+        for model in [service.name, *loras]:
+            r = client.post("/v1/completions", json={"model": model, "prompt": "The model merges", "max_tokens": 12,
+                                                     "temperature": 0})
+            answers[model] = r.json()["choices"][0]["text"]
+            console.print(f"model={model!r:22} -> {answers[model]!r}", markup=False, highlight=False)
+    finally:
+        service.close()
+    return answers
