@@ -64,6 +64,16 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
         assert not errors, errors[:1]
         wrong = [k for k, (c, i) in enumerate(jobs) if got[k] != want[(c, i)]]
         assert not wrong, [(jobs[k], got[k], want[jobs[k]]) for k in wrong[:2]]
+
+        # requests that share an adapter set are decoded together (continuous batching)
+        same = [threading.Thread(target=lambda i=i: got.__setitem__(1000 + i, list(engine.generate(
+            GenerationRequest(PROMPTS[i % 4], {"plain": 1.0}, max_tokens=N, ignore_eos=True))))) for i in range(8)]
+        for t in same:
+            t.start()
+        for t in same:
+            t.join()
+        assert engine.max_batch_seqs >= 2
+        assert all(got[1000 + i] == want[("plain", i % 4)] for i in range(8))
         engine.unload_adapter("plain")
         with pytest.raises(UserError, match="not loaded"):
             list(engine.generate(GenerationRequest(PROMPTS[0], {"plain": 1.0}, max_tokens=2)))

@@ -9,11 +9,11 @@ and a NULL adapter segfaults at decode.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,23 @@ import numpy as np
 from convert.errors import UserError
 
 from .base import GenerationRequest
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request inside a worker's batch."""
+
+    req: GenerationRequest
+    key: tuple
+    out: queue.Queue = field(default_factory=queue.Queue)
+    seq_id: int = -1
+    pos: int = 0
+    last: int = 0
+    n_out: int = 0
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.req.seed)
 
 
 def _read_gguf(path: Path):
@@ -42,7 +59,7 @@ def _field(reader, key: str):
 
 class LlamaCppEngine:
     def __init__(self, model_path: Path, n_ctx: int = 2048, n_workers: int = 2, n_threads: int | None = None,
-                 kv_f32: bool = False) -> None:
+                 kv_f32: bool = False, n_seq_max: int = 8) -> None:
         import llama_cpp
 
         from convert.gguf.quantize import quiet_llamacpp
@@ -64,15 +81,20 @@ class LlamaCppEngine:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
         self._adapters: dict[str, object] = {}
         self._lock = threading.Lock()
-        self._free: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._pending: list[_Seq] = []
+        self._closed = False
+        self.max_batch_seqs = 0  # the most sequences decoded together so far (observability, tests)
         self._contexts = []
         for _ in range(n_workers):
             cp = llama_cpp.llama_context_default_params()
-            cp.n_ctx = cp.n_batch = n_ctx
-            cp.n_ubatch = min(n_ctx, 512)
-            cp.n_seq_max = 1
+            cp.n_ctx = cp.n_batch = n_ctx * n_seq_max  # one shared (unified) cache, n_ctx per sequence
+            cp.n_ubatch = min(cp.n_ctx, 512)
+            cp.n_seq_max = n_seq_max
+            cp.kv_unified = True
             if n_threads:
                 cp.n_threads = cp.n_threads_batch = n_threads
             cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -82,7 +104,10 @@ class LlamaCppEngine:
             if not ctx:
                 raise RuntimeError("llama.cpp could not create a context")
             self._contexts.append(ctx)
-            self._free.put(ctx)
+        self._workers = [threading.Thread(target=self._worker, args=(ctx,), daemon=True, name=f"llamacpp-{i}")
+                         for i, ctx in enumerate(self._contexts)]
+        for t in self._workers:
+            t.start()
 
     # -- adapters ------------------------------------------------------------------------------
     def check_adapter(self, path: Path) -> int:
@@ -130,14 +155,36 @@ class LlamaCppEngine:
             ptr = self._adapters.pop(name)
         self.lc.llama_adapter_lora_free(ptr)
 
-    # -- generation ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _context(self) -> Iterator[object]:
-        ctx = self._free.get()
+    # -- generation: continuous batching per adapter set ------------------------------------------
+    def generate(self, request: GenerationRequest) -> Iterator[int]:
+        """Tokens one at a time for ``request`` (prompt already tokenized). Requests with the same adapter
+        set are decoded together in one context; a context only switches sets when it has drained."""
+        prompt = list(request.prompt_tokens)
+        if not prompt or len(prompt) + request.max_tokens > self.n_ctx:
+            raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
+                            f"context of {self.n_ctx}", "shorten the prompt or lower max_tokens")
+        with self._lock:
+            missing = [n for n in request.adapters if n not in self._adapters]
+        if missing:
+            raise UserError(f"adapter(s) {missing} not loaded", "load them first")
+        if request.max_tokens <= 0:
+            return
+        seq = _Seq(request, tuple(sorted(request.adapters.items())))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine closed")
+            self._pending.append(seq)
+            self._cv.notify_all()
         try:
-            yield ctx
+            while True:
+                item = seq.out.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            self._free.put(ctx)
+            seq.cancelled = True
 
     def _set_adapters(self, ctx, adapters: dict[str, float]) -> None:
         lc = self.lc
@@ -154,44 +201,88 @@ class LlamaCppEngine:
         else:
             lc.llama_set_adapters_lora(ctx, None, 0, None)
 
-    def _decode(self, ctx, batch, tokens: list[int], start: int) -> None:
-        batch.n_tokens = len(tokens)
-        for i, tok in enumerate(tokens):
-            batch.token[i] = tok
-            batch.pos[i] = start + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = i == len(tokens) - 1
-        if self.lc.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+    def _claim(self, key: tuple | None, slots: int) -> list[_Seq]:
+        """Pending requests for ``key`` (or, if None, the oldest request's key); lock held."""
+        if not self._pending or slots <= 0:
+            return []
+        if key is None:
+            key = self._pending[0].key
+        elif any(s.key != key for s in self._pending):
+            return []  # another adapter set is waiting: drain this one so the context can switch
+        taken = [s for s in self._pending if s.key == key][:slots]
+        for s in taken:
+            self._pending.remove(s)
+        return taken
 
-    def generate(self, request: GenerationRequest) -> Iterator[int]:
-        """Tokens one at a time for ``request`` (prompt already tokenized)."""
+    def _worker(self, ctx) -> None:
         lc = self.lc
-        prompt = list(request.prompt_tokens)
-        if not prompt or len(prompt) + request.max_tokens > self.n_ctx:
-            raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
-                            f"context of {self.n_ctx}", "shorten the prompt or lower max_tokens")
-        rng = np.random.default_rng(request.seed)
-        with self._context() as ctx:
-            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)  # never reuse a cache across adapter sets
-            self._set_adapters(ctx, request.adapters)
-            batch = lc.llama_batch_init(len(prompt), 0, 1)
-            try:
-                self._decode(ctx, batch, prompt, 0)
-                pos = len(prompt)
-                for _ in range(request.max_tokens):
-                    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(self.n_vocab,))
-                    tok = self._sample(logits, request, rng)
-                    eog = not request.ignore_eos and lc.llama_vocab_is_eog(self.vocab, tok)
-                    if tok in request.stop_tokens or eog:
+        mem = lc.llama_get_memory(ctx)
+        batch = lc.llama_batch_init(self.n_ctx * self.n_seq_max, 0, self.n_seq_max)
+        try:
+            while True:
+                with self._cv:
+                    while not self._pending and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
                         return
-                    yield tok
-                    self._decode(ctx, batch, [tok], pos)
-                    pos += 1
-            finally:
-                lc.llama_batch_free(batch)
-                lc.llama_set_adapters_lora(ctx, None, 0, None)  # no context keeps a pointer to an adapter
+                    active = self._claim(None, self.n_seq_max)
+                key = active[0].key
+                lc.llama_memory_clear(mem, True)  # never reuse a cache across adapter sets
+                try:
+                    self._set_adapters(ctx, dict(key))
+                    self._run(ctx, mem, batch, active, key)
+                except BaseException as e:  # noqa: BLE001 - delivered to the waiting requests
+                    for sq in active:
+                        sq.out.put(e if isinstance(e, Exception) else RuntimeError(str(e)))
+                finally:
+                    lc.llama_set_adapters_lora(ctx, None, 0, None)  # no context keeps a pointer to an adapter
+        finally:
+            lc.llama_batch_free(batch)
+
+    def _run(self, ctx, mem, batch, active: list[_Seq], key: tuple) -> None:
+        lc = self.lc
+        free_ids = list(range(self.n_seq_max))
+        for sq in active:
+            sq.seq_id = free_ids.pop(0)
+        while active:
+            n = 0
+            rows: list[tuple[_Seq, int]] = []
+            for sq in active:
+                feed = sq.req.prompt_tokens if sq.pos == 0 else [sq.last]
+                for j, tok in enumerate(feed):
+                    batch.token[n] = tok
+                    batch.pos[n] = sq.pos + j
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = sq.seq_id
+                    batch.logits[n] = j == len(feed) - 1
+                    n += 1
+                rows.append((sq, n - 1))
+                sq.pos += len(feed)
+            batch.n_tokens = n
+            self.max_batch_seqs = max(self.max_batch_seqs, len(rows))
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            still = []
+            for sq, row in rows:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
+                tok = self._sample(logits, sq.req, sq.rng)
+                eog = not sq.req.ignore_eos and lc.llama_vocab_is_eog(self.vocab, tok)
+                done = sq.cancelled or tok in sq.req.stop_tokens or eog
+                if not done:
+                    sq.out.put(tok)
+                    sq.last, sq.n_out = tok, sq.n_out + 1
+                    done = sq.n_out >= sq.req.max_tokens
+                if done:
+                    sq.out.put(None)
+                    lc.llama_memory_seq_rm(mem, sq.seq_id, -1, -1)
+                    free_ids.append(sq.seq_id)
+                else:
+                    still.append(sq)
+            active = still
+            with self._cv:  # continuous batching: same adapter set joins at the next step
+                for sq in self._claim(key, len(free_ids)):
+                    sq.seq_id = free_ids.pop(0)
+                    active.append(sq)
 
     @staticmethod
     def _sample(logits: np.ndarray, request: GenerationRequest, rng) -> int:
@@ -242,6 +333,14 @@ class LlamaCppEngine:
         return tok if tok >= 0 else None
 
     def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for sq in self._pending:
+                sq.out.put(RuntimeError("engine closed"))
+            self._pending.clear()
+            self._cv.notify_all()
+        for t in getattr(self, "_workers", []):
+            t.join(timeout=30)
         for ctx in self._contexts:
             self.lc.llama_free(ctx)
         self._contexts = []
