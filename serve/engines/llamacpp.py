@@ -10,6 +10,7 @@ and a NULL adapter segfaults at decode.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -95,8 +96,8 @@ class LlamaCppEngine:
             cp.n_ubatch = min(cp.n_ctx, 512)
             cp.n_seq_max = n_seq_max
             cp.kv_unified = True
-            if n_threads:
-                cp.n_threads = cp.n_threads_batch = n_threads
+            # llama.cpp's default is 4 threads per context: on a small machine that oversubscribes the cores
+            cp.n_threads = cp.n_threads_batch = n_threads or max(1, os.cpu_count() or 1)
             cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             if kv_f32:
                 cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32

@@ -1,0 +1,155 @@
+"""Serving benchmark (llama.cpp engine): mixed-adapter throughput vs base-only, hot-load latency, memory.
+
+A generated ~125M-parameter llama (hidden 768, 12 layers, vocab 32000, random weights, SentencePiece
+tokenizer) exported to GGUF Q8_0 with 32 r=16 LoRAs, served by tuneport's engine in this process.
+(d) of the issue, llama-server built from the llama-cpp-python sdist, is not measured by this script.
+Run: python benchmarks/serve_llamacpp.py [--workdir DIR] [--requests N] [--concurrency C]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+_HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, _HERE)
+from _util import machine, table  # noqa: E402
+from merge import llama_specs  # noqa: E402
+
+# benchmarks/gguf.py would shadow the gguf package: drop this folder from the path again
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
+
+from convert.io import ShardedSafetensorsWriter  # noqa: E402
+
+H, INTER, LAYERS, HEADS, KV, VOCAB, R = 768, 2048, 12, 12, 4, 32000, 16
+
+
+def rss_mb() -> float:
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS")).split()[1]) / 1024
+
+
+def make_model(root: Path, n_adapters: int) -> tuple[Path, list[Path]]:
+    from safetensors.torch import save_file
+
+    from toolkit.tiny.tokenizers import write_sentencepiece
+
+    base = root / "base"
+    base.mkdir(parents=True)
+    specs = llama_specs(H, INTER, LAYERS, HEADS, KV, VOCAB)
+    w = ShardedSafetensorsWriter(base, specs)
+    gen = torch.Generator().manual_seed(0)
+    for s in specs:
+        scale = 1.0 if s.name.endswith("norm.weight") else 0.02
+        w.write(s.name, (torch.randn(s.shape, generator=gen) * scale).to(torch.bfloat16))
+    w.close()
+    (base / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV, "vocab_size": VOCAB,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}))
+    write_sentencepiece(base)
+    adapters = []
+    for i in range(n_adapters):
+        d = root / "peft" / f"a{i}"
+        d.mkdir(parents=True)
+        tensors = {}
+        for s in specs:
+            if s.name.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                m = "base_model.model." + s.name[: -len(".weight")]
+                tensors[f"{m}.lora_A.weight"] = torch.randn((R, s.shape[1]), generator=gen) * 0.01
+                tensors[f"{m}.lora_B.weight"] = torch.randn((s.shape[0], R), generator=gen) * 0.01
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": R, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "bias": "none"}))
+        adapters.append(d)
+    return base, adapters
+
+
+def run_traffic(engine, names: list[str | None], n_requests: int, concurrency: int, max_tokens: int):
+    from serve.engines.base import GenerationRequest
+
+    prompt = [1] + [100 + i for i in range(15)]
+    lat: list[float] = []
+    lock = threading.Lock()
+
+    def one(k: int) -> int:
+        name = names[k % len(names)]
+        t0 = time.perf_counter()
+        toks = list(engine.generate(GenerationRequest(prompt, {name: 1.0} if name else {}, max_tokens=max_tokens,
+                                                      ignore_eos=True)))
+        with lock:
+            lat.append(time.perf_counter() - t0)
+        return len(toks)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        total = sum(ex.map(one, range(n_requests)))
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workdir", type=Path, default=Path(".bench/serve"))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    work = args.workdir.resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    os.environ["TUNEPORT_CACHE_DIR"] = str(work / "cache")
+    from convert.export_hf import AdapterArg
+    from convert.gguf.export import export_gguf
+    from serve.engines.llamacpp import LlamaCppEngine
+
+    base, peft = make_model(work, 32)
+    export_gguf(base, [AdapterArg(p, name=p.name) for p in peft], work / "gguf", mode="separate", quant="q8_0")
+    model = work / "gguf" / "base-Q8_0.gguf"
+    loras = sorted((work / "gguf" / "adapters").glob("*.gguf"))
+    rss0 = rss_mb()
+    engine = LlamaCppEngine(model, n_ctx=256, n_workers=2, n_seq_max=8)
+    rss_model = rss_mb() - rss0
+    load_ms = []
+    for p in loras:
+        t0 = time.perf_counter()
+        engine.load_adapter(p.stem.replace("-F32", ""), p)
+        load_ms.append((time.perf_counter() - t0) * 1000)
+    rss_pool = rss_mb() - rss0
+    lora_bytes = sum(p.stat().st_size for p in loras) / 2**20
+    names = [p.stem.replace("-F32", "") for p in loras]
+    rows = []
+    base_tps, _, _ = run_traffic(engine, [None], args.requests, args.concurrency, args.max_tokens)  # warm-up
+    base_tps, b50, b99 = run_traffic(engine, [None], args.requests, args.concurrency, args.max_tokens)
+    rows.append(["base only", f"{base_tps:.1f}", "1.00x", f"{b50:.2f}", f"{b99:.2f}", f"{b99 / b50:.2f}"])
+    for k in (1, 8, 32):
+        tps, p50, p99 = run_traffic(engine, names[:k], args.requests, args.concurrency, args.max_tokens)
+        label = "1 adapter (all traffic)" if k == 1 else f"{k} adapters, round robin"
+        rows.append([label, f"{tps:.1f}", f"{tps / base_tps:.2f}x", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
+    engine.close()
+    load_ms.sort()
+    print(f"machine: {machine()}")
+    print(f"model: ~125M params Q8_0 ({model.stat().st_size / 2**20:.0f} MiB); 32 LoRAs r={R} on q/k/v/o "
+          f"({lora_bytes:.1f} MiB); concurrency {args.concurrency}, "
+          f"{args.requests} requests x {args.max_tokens} tokens\n")
+    print(table(rows, ["traffic", "tokens/s", "vs base-only", "p50 s", "p99 s", "p99/p50"]))
+    print(f"\nhot-load latency over {len(load_ms)} adapters: p50 {load_ms[len(load_ms) // 2]:.1f} ms, "
+          f"p99 {load_ms[-1]:.1f} ms")
+    print(f"memory: model {rss_model:.0f} MB; model + 32 adapters {rss_pool:.0f} MB "
+          f"(adapters on disk {lora_bytes:.1f} MB; budget base + adapters + 10% = "
+          f"{1.1 * (rss_model + lora_bytes):.0f} MB); 32 processes each holding a merged model ~ "
+          f"{32 * rss_model:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
