@@ -275,3 +275,29 @@ def test_serve_bad_input_exits_2(tmp_path, cli):
     assert code == 2 and "neither a GGUF file nor a model directory" in err
     code, _, err = cli("serve", "--base", tmp_path / "x.gguf", "--engine", "vllm")
     assert code == 2 and "not available" in err
+
+
+def test_hf_base_and_peft_adapters_are_converted_and_cached(zoo, tmp_path, monkeypatch):
+    """--base HF_DIR is converted once to GGUF; PEFT adapter dirs are converted on load, cached by content."""
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    adapter_dir = tmp_path / "adapters"
+    adapter_dir.mkdir()
+    shutil.copytree(zoo.adapter("llama", "rslora"), adapter_dir / "style")
+    service = build(str(zoo.base("llama")), [f"chat={zoo.adapter('llama', 'plain')}"], adapter_dir,
+                    max_adapters=4, pin=True, n_ctx=64, workers=1)
+    try:
+        c = TestClient(create_app(service))
+        body = {"prompt": [1, 50, 60, 70], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        outs = {m: c.post("/v1/completions", json={**body, "model": m}).json()["choices"][0]["token_ids"]
+                for m in (service.name, "chat", "style")}
+        assert len({tuple(v) for v in outs.values()}) == 3  # base and each adapter answer differently
+        assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+        assert len(list((tmp_path / "cache" / "loras").glob("*.gguf"))) == 2
+    finally:
+        service.close()
+    again = build(str(zoo.base("llama")), [], adapter_dir, max_adapters=4, pin=True, n_ctx=64, workers=1)
+    again.close()
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1  # reused, not converted again
