@@ -2,8 +2,10 @@
 
 A generated ~125M-parameter llama (hidden 768, 12 layers, vocab 32000, random weights, SentencePiece
 tokenizer) exported to GGUF Q8_0 with 32 r=16 LoRAs, served by tuneport's engine in this process.
-(d) of the issue, llama-server built from the llama-cpp-python sdist, is not measured by this script.
-Run: python benchmarks/serve_llamacpp.py [--workdir DIR] [--requests N] [--concurrency C]
+With --llama-server BIN (built by benchmarks/build_llama_server.sh) the same HTTP traffic also goes to
+`tuneport serve` and to llama.cpp's own llama-server (8 LoRAs preloaded, per-request `lora` list), both
+as separate processes, side by side.
+Run: python benchmarks/serve_llamacpp.py [--workdir DIR] [--requests N] [--concurrency C] [--llama-server BIN]
 """
 
 from __future__ import annotations
@@ -99,12 +101,94 @@ def run_traffic(engine, names: list[str | None], n_requests: int, concurrency: i
     return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
 
 
+def http_traffic(url: str, bodies: list[dict], path: str, concurrency: int, count_key) -> tuple[float, float, float]:
+    import httpx
+
+    lat: list[float] = []
+    lock = threading.Lock()
+    client = httpx.Client(base_url=url, timeout=600)
+
+    def one(body: dict) -> int:
+        t0 = time.perf_counter()
+        r = client.post(path, json=body)
+        r.raise_for_status()
+        with lock:
+            lat.append(time.perf_counter() - t0)
+        return count_key(r.json())
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        total = sum(ex.map(one, bodies))
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def wait_http(url: str, path: str = "/health", timeout: float = 120) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def compare_servers(model: Path, loras: list[Path], llama_server: Path, args) -> list[list[str]]:
+    import subprocess
+
+    names = [p.stem.replace("-F32", "") for p in loras[:8]]
+    prompt = [1] + [100 + i for i in range(15)]
+    n, conc, mt = args.requests, args.concurrency, args.max_tokens
+    rows = []
+    ls = subprocess.Popen([str(llama_server), "-m", str(model), *sum((["--lora", str(p)] for p in loras[:8]), []),
+                           "--lora-init-without-apply", "-np", str(conc), "-c", str(256 * conc), "-t",
+                           str(os.cpu_count()), "--port", "18081", "-ngl", "0"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http("http://127.0.0.1:18081")
+        base = [{"prompt": prompt, "n_predict": mt, "temperature": 0, "ignore_eos": True, "lora": []}] * n
+        mixed = [{"prompt": prompt, "n_predict": mt, "temperature": 0, "ignore_eos": True,
+                  "lora": [{"id": k % 8, "scale": 1.0}]} for k in range(n)]
+        for label, bodies in (("base only", base), ("8 adapters, round robin", mixed)):
+            http_traffic("http://127.0.0.1:18081", bodies[:conc], "/completion", conc, lambda r: 0)  # warm-up
+            tps, p50, p99 = http_traffic("http://127.0.0.1:18081", bodies, "/completion", conc,
+                                         lambda r: int(r.get("tokens_predicted", 0)))
+            rows.append([f"llama-server: {label}", f"{tps:.1f}", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
+    finally:
+        ls.terminate()
+        ls.wait()
+    tp = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", "--base", str(model),
+                           *sum((["--adapter", f"{nm}={p}"] for nm, p in zip(names, loras[:8], strict=True)), []),
+                           "--port", "18082", "--n-ctx", "256", "--workers", "2"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http("http://127.0.0.1:18082")
+        base = [{"model": model.stem, "prompt": prompt, "max_tokens": mt, "temperature": 0, "ignore_eos": True}] * n
+        mixed = [{"model": names[k % 8], "prompt": prompt, "max_tokens": mt, "temperature": 0, "ignore_eos": True}
+                 for k in range(n)]
+        for label, bodies in (("base only", base), ("8 adapters, round robin", mixed)):
+            http_traffic("http://127.0.0.1:18082", bodies[:conc], "/v1/completions", conc, lambda r: 0)
+            tps, p50, p99 = http_traffic("http://127.0.0.1:18082", bodies, "/v1/completions", conc,
+                                         lambda r: int(r["usage"]["completion_tokens"]))
+            rows.append([f"tuneport serve: {label}", f"{tps:.1f}", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
+    finally:
+        tp.terminate()
+        tp.wait()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workdir", type=Path, default=Path(".bench/serve"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--llama-server", type=Path, help="llama-server binary for the side-by-side comparison")
     args = ap.parse_args()
     work = args.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -138,6 +222,7 @@ def main() -> None:
         rows.append([label, f"{tps:.1f}", f"{tps / base_tps:.2f}x", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
     engine.close()
     load_ms.sort()
+    server_rows = compare_servers(model, loras, args.llama_server.resolve(), args) if args.llama_server else []
     print(f"machine: {machine()}")
     print(f"model: ~125M params Q8_0 ({model.stat().st_size / 2**20:.0f} MiB); 32 LoRAs r={R} on q/k/v/o "
           f"({lora_bytes:.1f} MiB); concurrency {args.concurrency}, "
@@ -149,6 +234,10 @@ def main() -> None:
           f"(adapters on disk {lora_bytes:.1f} MB; budget base + adapters + 10% = "
           f"{1.1 * (rss_model + lora_bytes):.0f} MB); 32 processes each holding a merged model ~ "
           f"{32 * rss_model:.0f} MB")
+    if server_rows:
+        print(f"\nHTTP, separate processes, concurrency {args.concurrency}, {args.requests} requests x "
+              f"{args.max_tokens} tokens:\n")
+        print(table(server_rows, ["server: traffic", "tokens/s", "p50 s", "p99 s", "p99/p50"]))
 
 
 if __name__ == "__main__":
