@@ -309,3 +309,17 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
                     "bias" if param == "bias" else "base_layer")
             adapter.replacements[f"{module}.{param}"] = t
             adapter.replacement_origin[f"{module}.{param}"] = origin
+
+
+def saved_base_layers(adapter: Adapter, base) -> tuple[set[str], set[str]]:
+    """The base layers PEFT saved beside the adapter (e.g. ``embed_tokens.base_layer``), split into those
+    identical to ``base`` (safe to drop) and those that differ (a resized or retrained embedding)."""
+    same, differ = set(), set()
+    for name, origin in adapter.replacement_origin.items():
+        if origin != "base_layer":
+            continue
+        saved = adapter.replacements[name]
+        equal = (base is not None and name in base and tuple(base.meta(name).shape) == tuple(saved.shape)
+                 and torch.equal(base.read(name).to(saved.dtype), saved))
+        (same if equal else differ).add(name)
+    return same, differ

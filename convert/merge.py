@@ -6,7 +6,6 @@ replace the base's (resized vocabularies included). One base tensor is in memory
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -155,12 +154,6 @@ def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "
 
 def _out_dtype(src: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return wanted if (wanted is not None and src.is_floating_point) else src
-
-
-def merged_tensors(plan: MergePlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, merged tensor)`` in output order, reading one base tensor at a time."""
-    for spec in plan.specs:
-        yield spec.name, merge_one(plan, spec)
 
 
 CHUNK_BYTES = 4 << 20  # rows are merged in fp32 blocks of about this size, which stay in cache

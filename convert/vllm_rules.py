@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from .adapter import Adapter
+from .adapter import Adapter, saved_base_layers
 from .arch import ArchSpec
 from .checkpoint import Checkpoint
 
@@ -62,17 +60,10 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
         if bad:
             pf.problems.append(f"vLLM does not apply LoRA to {', '.join(bad)} on {arch_name} "
                                f"(it accepts {', '.join(arch.vllm_lora_modules)}): {MERGE_HINT}")
-    for name, origin in adapter.replacement_origin.items():
-        if origin != "base_layer":
-            continue
-        saved = adapter.replacements[name]
-        same = (base is not None and name in base and tuple(base.meta(name).shape) == tuple(saved.shape)
-                and torch.equal(base.read(name).to(saved.dtype), saved))
-        if same:
-            pf.drop_tensors.add(name)
-        else:
-            pf.problems.append(f"the adapter carries its own copy of {name} (a resized or retrained embedding), "
-                               f"which vLLM ignores: {MERGE_HINT}")
+    pf.drop_tensors, differ = saved_base_layers(adapter, base)
+    for name in sorted(differ):
+        pf.problems.append(f"the adapter carries its own copy of {name} (a resized or retrained embedding), "
+                           f"which vLLM ignores: {MERGE_HINT}")
     if pf.drop_tensors:
         pf.fixes.append(f"dropped saved base layers identical to the base ({', '.join(sorted(pf.drop_tensors))})")
     if isinstance(cfg.get("target_modules"), str):

@@ -13,7 +13,7 @@ from ..errors import UserError
 from ..export_hf import AdapterArg, Progress, copy_side_files, load_weighted, merge_inputs
 from ..io import atomic_dir, check_output_path
 from ..manifest import write_manifest
-from ..merge import MergePlan, merge_one, plan_merge
+from ..merge import merge_one, plan_merge
 from .lora import build_gguf_lora, write_gguf_lora
 from .model import GGUFModelPlan, gguf_arch_for, plan_gguf_model, write_gguf_models
 from .modelfile import modelfile
@@ -81,7 +81,7 @@ def export_gguf(
             path = (tmp if q in quants else scratch) / f"{name}-{q.label}.gguf"
             files[q.name] = path
             targets.append((path, plan_gguf_model(arch, plan.config, shapes, q.direct), q.ftype))
-        hashes = write_gguf_models(targets, vocab, lambda n: _read(plan, specs, n), name, progress)
+        hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name, progress)
         for q in via_llamacpp:
             files[q.name] = tmp / f"{name}-{q.label}.gguf"
             quantize_with_llamacpp(files[lossless.name], files[q.name], q)
@@ -112,8 +112,3 @@ def export_gguf(
             "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded},
             "warnings": warnings})
     return manifest
-
-
-def _read(plan: MergePlan, specs: dict, name: str) -> torch.Tensor:
-    return merge_one(plan, specs[name])
-

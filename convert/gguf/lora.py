@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..adapter import Adapter
+from ..adapter import Adapter, saved_base_layers
 from ..arch import ArchSpec
 from ..checkpoint import Checkpoint
 from ..errors import UserError
@@ -41,10 +41,8 @@ def lora_refusals(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> list[st
                         f"{MERGE_HINT}")
     if adapter.config.get("lora_bias") or adapter.config.get("bias", "none") != "none":
         problems.append(f"trained biases have no GGUF LoRA form: {MERGE_HINT}")
-    for name, origin in adapter.replacement_origin.items():
-        if origin == "base_layer" and not (name in base and torch.equal(
-                base.read(name).to(adapter.replacements[name].dtype), adapter.replacements[name])):
-            problems.append(f"the adapter carries its own {name} (resized or retrained): {MERGE_HINT}")
+    for name in sorted(saved_base_layers(adapter, base)[1]):
+        problems.append(f"the adapter carries its own {name} (resized or retrained): {MERGE_HINT}")
     if base.tied_embeddings:
         touched = {m.module for m in adapter.modules.values()}
         if arch.lm_head in touched:
