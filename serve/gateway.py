@@ -21,6 +21,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from convert.errors import UserError
 
 from .pool import PoolError
+from .proxy import Upstream, forward
 from .service import LlamaCppService, dumps, gen_request
 
 MAX_BODY_BYTES = 1 << 20
@@ -58,8 +59,18 @@ def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt:
         yield text[sent:], finish, n
 
 
-def create_app(service: LlamaCppService, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="tuneport gateway")
+def create_app(service, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    """The gateway over ``service``: a :class:`LlamaCppService` (tokens generated here) or a proxied
+    service such as :class:`serve.vllm_service.VllmService` (OpenAI requests forwarded to the engine)."""
+    upstream = Upstream(service.url) if getattr(service, "proxied", False) else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if upstream is not None:
+            await upstream.aclose()
+
+    app = FastAPI(title="tuneport gateway", lifespan=lifespan)
     metrics = service.metrics
 
     @app.middleware("http")
@@ -83,6 +94,8 @@ def create_app(service: LlamaCppService, api_key: str | None = None, max_body: i
 
     @app.get("/health")
     async def health():
+        if not getattr(service, "healthy", lambda: True)():
+            return _error(503, "the engine is not running; see the server log", "engine_down")
         return {"status": "ok", "model": service.name, "adapters": len(service.pool.names())}
 
     @app.get("/metrics")
@@ -163,6 +176,8 @@ def create_app(service: LlamaCppService, api_key: str | None = None, max_body: i
 
     @app.post("/v1/completions")
     async def completions(body: dict):
+        if upstream is not None:
+            return await forward(service, upstream, "/v1/completions", body)
         prompt = body.get("prompt", "")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -176,6 +191,8 @@ def create_app(service: LlamaCppService, api_key: str | None = None, max_body: i
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: dict):
+        if upstream is not None:
+            return await forward(service, upstream, "/v1/chat/completions", body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PoolError("messages must be a non-empty list", "", status=400)

