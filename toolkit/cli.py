@@ -155,28 +155,65 @@ class EngineChoice(str, Enum):
     exllamav3 = "exllamav3"
 
 
-@app.command()
+class BaseGuard(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+@app.command(context_settings={"allow_extra_args": True})
 def serve(
-    base: Annotated[str, typer.Option("--base", help="GGUF file, or HF model dir (converted once to GGUF)")],
-    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="NAME=PATH (GGUF LoRA or PEFT dir)")] = None,
+    ctx: typer.Context,
+    base: Annotated[str, typer.Option("--base", help="GGUF file, or HF model dir (vLLM serves it as is; "
+                                      "llama.cpp converts it once to GGUF)")],
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="NAME=PATH (PEFT dir or GGUF LoRA)")] = None,
     adapter_dir: Annotated[Path | None, typer.Option("--adapter-dir", help="Load DIR/<name> on demand")] = None,
-    engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto picks from format, hardware, load")] = (
+        EngineChoice.auto),
     max_adapters: Annotated[int, typer.Option("--max-adapters", help="Adapters loaded at once")] = 8,
     no_pin: Annotated[bool, typer.Option("--no-pin", help="Start-up adapters may be evicted too")] = False,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
     api_key_file: Annotated[Path | None, typer.Option("--api-key-file", help="Require Bearer <key>")] = None,
-    n_ctx: Annotated[int, typer.Option("--n-ctx", help="Context length per worker")] = 2048,
-    workers: Annotated[int, typer.Option("--workers", help="Parallel llama.cpp contexts")] = 2,
+    n_ctx: Annotated[int, typer.Option("--n-ctx", help="llama.cpp: context length per worker")] = 2048,
+    workers: Annotated[int, typer.Option("--workers", help="llama.cpp: parallel contexts")] = 2,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Expected simultaneous requests "
+                                             "(engine choice and memory plan)")] = 8,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="vLLM: context length")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="vLLM: auto, float32, bfloat16, float16")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help="vLLM: GPUs per layer")] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option("--pipeline-parallel-size", help="vLLM: stages")] = 1,
+    max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank", help="vLLM: default the largest "
+                                                      "adapter rank, rounded up")] = None,
+    max_loras: Annotated[int | None, typer.Option("--max-loras", help="vLLM: adapters in one batch "
+                                                  "(default --max-adapters)")] = None,
+    engine_port: Annotated[int | None, typer.Option("--engine-port", help="vLLM's own port on 127.0.0.1 "
+                                                    "(default --port + 1)")] = None,
+    base_guard: Annotated[BaseGuard, typer.Option("--vllm-base-guard", help="Send base traffic as a zero "
+                                                  "adapter (auto: where the vLLM CPU bug applies)")] = BaseGuard.auto,
+    log_file: Annotated[Path | None, typer.Option("--log-file", help="vLLM's log (default in the cache)")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the engine, memory plan and command")] = False,
+    replicas: Annotated[int, typer.Option("--replicas", help="--dry-run: commands for N replicas")] = 1,
+    gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica", help="--dry-run: GPUs each")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="--dry-run: one JSON object")] = False,
 ) -> None:
-    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp engine)."""
-    from serve.run import serve_llamacpp
+    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp or vLLM).
 
-    if engine in (EngineChoice.vllm, EngineChoice.exllamav3):
-        raise UserError(f"--engine {engine.value} is not available in this version of tuneport",
-                        "use --engine llamacpp (or auto)")
-    serve_llamacpp(base, adapter or [], adapter_dir, max_adapters, not no_pin, host, port, api_key_file,
-                   n_ctx, workers)
+    Flags after `--` go to vLLM as they are (e.g. `-- --gpu-memory-utilization 0.85`)."""
+    from serve.run import ServeRequest, serve
+
+    req = ServeRequest(
+        base=base, adapters=adapter or [], adapter_dir=adapter_dir, engine=engine.value, max_adapters=max_adapters,
+        pin=not no_pin, host=host, port=port, api_key_file=api_key_file, n_ctx=n_ctx, workers=workers,
+        concurrency=concurrency, max_model_len=max_model_len, dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        max_lora_rank=max_lora_rank, max_loras=max_loras, engine_port=engine_port, guard=base_guard.value,
+        log_file=log_file, extra_args=list(ctx.args), replicas=replicas, gpus_per_replica=gpus_per_replica)
+    report = serve(req, dry_run=dry_run)
+    if report is not None:
+        from serve.policy import format_dry_run
+
+        emit(report, as_json, format_dry_run(report))
 
 
 @app.command()

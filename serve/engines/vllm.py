@@ -116,6 +116,14 @@ class VllmProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def group_alive(self) -> bool:
+        """Whether any process of vLLM's group (server, engine core, workers) still exists."""
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
     def log_tail(self, n: int = 40) -> list[str]:
         try:
             return self.log_path.read_text(errors="replace").splitlines()[-n:]
@@ -156,6 +164,9 @@ class VllmProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
+        deadline = time.monotonic() + 10
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         with contextlib.suppress(Exception):
             self._log.close()
         atexit.unregister(self.stop)
