@@ -655,13 +655,14 @@ def _with_port(argv: Sequence[str], port: int) -> list[str]:
 
 
 def replica_commands(tuneport_argv: list[str], replicas: int, gpus_per_replica: int, base_port: int) -> list[dict]:
-    """One command per replica: its own GPUs (CUDA_VISIBLE_DEVICES, also honoured by ROCm) and port."""
+    """One command per replica: its own GPUs (CUDA_VISIBLE_DEVICES, also honoured by ROCm) and port.
+    Ports go up in twos: a replica's vLLM listens on its gateway port + 1."""
     if replicas < 1 or gpus_per_replica < 0:
         raise UserError(f"--replicas {replicas} --gpus-per-replica {gpus_per_replica}",
                         "need at least one replica and zero or more GPUs each")
     out = []
     for i in range(replicas):
-        port = base_port + i
+        port = base_port + 2 * i
         gpus = ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
         env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus_per_replica else {}
         where = f"GPU {gpus}" if gpus_per_replica else "CPU"

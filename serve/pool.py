@@ -194,16 +194,28 @@ class AdapterPool:
             del self._entries[name]
             self._unload(name)
 
-    @contextmanager
-    def use(self, name: str) -> Iterator[PoolEntry]:
-        """Hold ``name`` for one request (loading it from ``adapter_dir`` on demand)."""
-        check_name(name)
+    def try_hold(self, name: str) -> PoolEntry | None:
+        """Take a reference on ``name`` if it is loaded (no waiting, no loading); release it with
+        :meth:`release`."""
         with self._lock:
             entry = self._entries.get(name)
             if entry is not None:
                 entry.refs += 1
                 entry.hits += 1
                 self.stats.hits += 1
+            return entry
+
+    def release(self, entry: PoolEntry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            entry.last_used = self._clock()
+            self._lock.notify_all()
+
+    @contextmanager
+    def use(self, name: str) -> Iterator[PoolEntry]:
+        """Hold ``name`` for one request (loading it from ``adapter_dir`` on demand)."""
+        check_name(name)
+        entry = self.try_hold(name)
         if entry is None:
             self.stats.misses += 1
             candidate = self.adapter_dir / name if self.adapter_dir else None
@@ -215,15 +227,10 @@ class AdapterPool:
             except PoolError as e:
                 if e.status != 409:
                     raise
-                with self._lock:  # another request loaded it meanwhile
-                    entry = self._entries.get(name)
-                    if entry is None:
-                        raise PoolError(f"adapter {name!r} was evicted while loading", "retry", status=503) from e
-                    entry.refs += 1
+                entry = self.try_hold(name)  # another request loaded it meanwhile
+                if entry is None:
+                    raise PoolError(f"adapter {name!r} was evicted while loading", "retry", status=503) from e
         try:
             yield entry
         finally:
-            with self._lock:
-                entry.refs -= 1
-                entry.last_used = self._clock()
-                self._lock.notify_all()
+            self.release(entry)

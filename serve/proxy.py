@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 import httpx
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from .pool import PoolError, check_name
@@ -62,7 +62,11 @@ async def forward(service, upstream: Upstream, path: str, body: dict):
     start = time.perf_counter()
     stack = contextlib.ExitStack()
     if model != service.name:
-        await run_in_threadpool(stack.enter_context, service.pool.use(check_name(model)))
+        entry = service.pool.try_hold(check_name(model))  # the common case: loaded, no thread hop
+        if entry is not None:
+            stack.callback(service.pool.release, entry)
+        else:  # load on demand (blocking work) in a worker thread
+            await run_in_threadpool(stack.enter_context, service.pool.use(model))
     target = service.upstream_model(model)
     sent = {**body, "model": target}
     try:
@@ -85,13 +89,14 @@ async def forward(service, upstream: Upstream, path: str, body: dict):
     stack.close()
     if r.status_code != 200:
         return _upstream_error(r)
-    data = r.json()
-    data["model"] = model
-    usage = data.get("usage") or {}
+    content = r.content
+    if target != model:  # vLLM names the model it ran; give the client the name it asked for
+        content = content.replace(f'"model":{json.dumps(target)}'.encode(), f'"model":{json.dumps(model)}'.encode(), 1)
+    usage = r.json().get("usage") or {}
     metrics.inc("completion_tokens_total", int(usage.get("completion_tokens") or 0))
     metrics.inc("prompt_tokens_total", int(usage.get("prompt_tokens") or 0))
     metrics.observe(time.perf_counter() - start)
-    return JSONResponse(data)
+    return Response(content, media_type="application/json")
 
 
 async def _relay(r: httpx.Response, stack: contextlib.ExitStack, target: str, model: str, metrics,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from convert.errors import UserError
 from .gateway import create_app
 from .pool import check_name
 from .service import LlamaCppService
-from .vllm_service import VllmOptions
+from .vllm_bugs import GUARD_ADAPTER
+from .vllm_service import VllmOptions, VllmPlan
 
 GRACEFUL_SHUTDOWN_S = 30
 
@@ -163,5 +165,82 @@ def serve(req: ServeRequest, dry_run: bool = False) -> dict | None:
     return None
 
 
+def tuneport_argv(req: ServeRequest, engine: str) -> list[str]:
+    """The ``tuneport serve`` command line for ``req`` with the engine decided (dry-run flags left out)."""
+    argv = ["tuneport", "serve", "--engine", engine, "--base", req.base]
+    for a in req.adapters:
+        argv += ["--adapter", a]
+    if req.adapter_dir:
+        argv += ["--adapter-dir", str(req.adapter_dir)]
+    argv += ["--max-adapters", str(req.max_adapters), "--host", req.host, "--port", str(req.port)]
+    if not req.pin:
+        argv.append("--no-pin")
+    if req.api_key_file:
+        argv += ["--api-key-file", str(req.api_key_file)]
+    if engine == "llamacpp":
+        return argv + ["--n-ctx", str(req.n_ctx), "--workers", str(req.workers)]
+    optional = {"--max-model-len": req.max_model_len, "--dtype": req.dtype, "--max-lora-rank": req.max_lora_rank,
+                "--max-loras": req.max_loras, "--engine-port": req.engine_port,
+                "--tensor-parallel-size": req.tensor_parallel_size if req.tensor_parallel_size > 1 else None,
+                "--pipeline-parallel-size": req.pipeline_parallel_size if req.pipeline_parallel_size > 1 else None,
+                "--vllm-base-guard": req.guard if req.guard != "auto" else None}
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--", *req.extra_args] if req.extra_args else [])
+
+
 def policy_report(req: ServeRequest, engine: str, decision) -> dict:
-    raise NotImplementedError  # filled in with serve.policy
+    """``--dry-run``: the engine and why, the memory plan per engine, the exact command(s)."""
+    from . import policy
+
+    artifact = policy.describe_artifact(req.base)
+    named = parse_named(req.adapters)
+    load = policy.ServeLoad(concurrency=req.concurrency, n_adapters=max(len(named), 1 if req.adapter_dir else 0),
+                            context_len=req.max_model_len or req.n_ctx)
+    plans, notes = {}, []
+    vllm_plan = None
+    if artifact.format != "gguf":
+        try:
+            vllm_plan = VllmPlan(req.vllm())
+        except UserError as e:
+            if engine == "vllm":
+                raise
+            notes.append(f"vLLM: {e.line()}")
+    for name in ("llamacpp", "vllm"):
+        try:
+            if name == "vllm" and vllm_plan is not None:
+                launch = vllm_plan.launch
+                plans[name] = policy.memory_plan(
+                    name, artifact, load, adapter_bytes=[policy.adapter_nbytes(p, name, artifact.dtype_bytes)
+                                                         for _, p in named],
+                    max_lora_rank=launch.max_lora_rank, adapter_slots=launch.adapter_slots, dtype=req.dtype,
+                    tensor_parallel_size=req.tensor_parallel_size, pipeline_parallel_size=req.pipeline_parallel_size)
+            elif name == "llamacpp":
+                plans[name] = policy.memory_plan(
+                    name, artifact, dataclasses.replace(load, context_len=req.n_ctx), workers=req.workers,
+                    adapter_bytes=[policy.adapter_nbytes(p, name) for _, p in named])
+        except UserError as e:
+            notes.append(f"{name}: {e.line()}")
+    if req.engine != "auto":
+        decision = policy.EngineDecision(engine, f"--engine {engine} as asked (auto would choose "
+                                                 f"{decision.engine}: {decision.reason})", "explicit")
+    argv = tuneport_argv(req, engine)
+    if req.replicas > 1:
+        commands = policy.replica_commands(argv, req.replicas, req.gpus_per_replica, req.port)
+        ports = [int(c["argv"][c["argv"].index("--port") + 1]) for c in commands]
+        notes.append("load balancer (nginx, inside http {}):\n" + policy.nginx_upstream(ports, req.port - 1))
+    else:
+        commands = [{"what": "tuneport (gateway + adapter pool)", "env": {}, "argv": argv}]
+    if engine == "vllm" and vllm_plan is not None:
+        launch = vllm_plan.launch
+        what = "the vLLM server tuneport starts (127.0.0.1 only)"
+        if req.replicas > 1:
+            what += "; shown for replica 1, the others listen on their own port + 1"
+        commands.append({"what": what, "env": launch.env(),
+                         "argv": ["python", *launch.command()[1:]]})
+        if vllm_plan.guard:
+            notes.append(f"base requests go to vLLM as the zero adapter {GUARD_ADAPTER!r} "
+                         f"(known bug: {vllm_plan.bugs[0].key}, {vllm_plan.bugs[0].upstream}); "
+                         "one extra LoRA slot holds it")
+    return policy.dry_run(decision, plans, commands, notes)

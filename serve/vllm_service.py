@@ -71,6 +71,9 @@ class VllmPlan:
 
     def __init__(self, opts: VllmOptions) -> None:
         self.opts = opts
+        if str(opts.base).endswith(".gguf"):
+            raise UserError(f"--engine vllm serves Hugging Face safetensors models, not GGUF ({opts.base})",
+                            "use --engine llamacpp for a GGUF base, or pass the HF model directory")
         self.ckpt = Checkpoint(opts.base)
         self.arch = arch_for(self.ckpt.model_type)
         self.name = opts.served_name or Path(str(opts.base)).name

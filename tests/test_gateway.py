@@ -272,9 +272,15 @@ def test_tuneport_serve_cli_starts_answers_and_stops_on_sigterm(zoo, tmp_path):
 
 def test_serve_bad_input_exits_2(tmp_path, cli):
     code, _, err = cli("serve", "--base", tmp_path / "nope.gguf")
+    assert code == 2 and "nope.gguf does not exist" in err
+    code, _, err = cli("serve", "--base", tmp_path / "nope.gguf", "--engine", "llamacpp")
     assert code == 2 and "neither a GGUF file nor a model directory" in err
     code, _, err = cli("serve", "--base", tmp_path / "x.gguf", "--engine", "vllm")
-    assert code == 2 and "not available" in err
+    assert code == 2 and "not GGUF" in err and "--engine llamacpp" in err
+    code, _, err = cli("serve", "--base", tmp_path / "x.gguf", "--engine", "exllamav3")
+    assert code == 2 and "not served by this version" in err
+    code, _, err = cli("serve", "--base", tmp_path / "x.gguf", "--engine", "llamacpp", "--", "--enforce-eager")
+    assert code == 2 and "are for vLLM" in err
 
 
 def test_hf_base_and_peft_adapters_are_converted_and_cached(zoo, tmp_path, monkeypatch):
