@@ -5,7 +5,7 @@
 vLLM's port and to the gateway's port, alternating rounds. Direct requests name the same vLLM models the
 gateway uses (base traffic through the guard's zero adapter where the CPU bug applies); a third row
 sends base traffic to vLLM without the zero adapter, to show what the guard costs.
-Run: python benchmarks/serve_vllm.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R]
+Run: python benchmarks/serve_vllm.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--small]
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import httpx
 _HERE = str(Path(__file__).resolve().parent)
 sys.path.insert(0, _HERE)
 from _util import machine, table  # noqa: E402
+from serve_llamacpp import make_model  # noqa: E402
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
 from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply  # noqa: E402
-from toolkit.tiny import PROMPTS, TinyZoo  # noqa: E402
 
-ADAPTERS = ("plain", "all_linear", "rslora")
+N_ADAPTERS = 3
 
 
 def free_port() -> int:
@@ -42,13 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run_set(url: str, jobs: list[tuple[str, str]], concurrency: int, max_tokens: int) -> dict:
+async def run_set(url: str, jobs: list[tuple[str, list[int]]], concurrency: int, max_tokens: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     tokens = 0
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        async def one(model: str, prompt: str) -> None:
+        async def one(model: str, prompt: list[int]) -> None:
             nonlocal tokens
             async with sem:
                 t = time.perf_counter()
@@ -72,20 +72,30 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--small", action="store_true", help="the tiny test model instead of ~125M params")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="tuneport-bench-vllm-"))
-    zoo = TinyZoo(work / "zoo")
-    base = zoo.base("llama", wide=True)
+    if args.small:  # engine time per step is tiny: measures the Python around it
+        from toolkit.tiny import TinyZoo
+
+        zoo = TinyZoo(work / "zoo")
+        base = zoo.base("llama", wide=True)
+        adapter_dirs = [zoo.adapter("llama", v, wide=True) for v in ("plain", "all_linear", "rslora")]
+        model_desc = "tiny llama (hidden 256, fp32), 3 adapters (r 8-16)"
+    else:
+        base, adapter_dirs = make_model(work, N_ADAPTERS)  # ~125M-param llama, r=16 LoRAs on q/k/v/o
+        model_desc = "llama ~125M params (hidden 768, 12 layers) run in fp32, 3 r=16 adapters"
+    adapters = [d.name for d in adapter_dirs]
     name = base.name
     gw_port, vllm_port = free_port(), free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TUNEPORT_CACHE_DIR": str(work / "cache")}
     cmd = [sys.executable, "-m", "toolkit.cli", "serve", "--engine", "vllm", "--base", str(base),
            "--port", str(gw_port), "--engine-port", str(vllm_port), "--dtype", "float32", "--max-model-len", "256",
            "--log-file", str(work / "vllm.log")]
-    for a in ADAPTERS:
-        cmd += ["--adapter", f"{a}={zoo.adapter('llama', a, wide=True)}"]
+    for d in adapter_dirs:
+        cmd += ["--adapter", f"{d.name}={d}"]
     cmd += ["--", "--enforce-eager", "--max-num-seqs", str(args.concurrency)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -99,19 +109,23 @@ def main() -> None:
             except httpx.HTTPError:
                 time.sleep(1)
         guard = bool(bugs_that_apply())
-        models = [name, *ADAPTERS]
-        jobs = [(models[i % 4], PROMPTS[i % len(PROMPTS)]) for i in range(args.requests)]
+        models = [name, *adapters]
+        jobs = [(models[i % len(models)], [1] + [100 + (i * 7 + j) % 300 for j in range(15)])
+                for i in range(args.requests)]
         upstream = {name: GUARD_ADAPTER if guard else name}
         direct_jobs = [(upstream.get(m, m), p) for m, p in jobs]
         gw, direct = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{vllm_port}"
         asyncio.run(run_set(gw, jobs[:8], args.concurrency, 4))  # warm-up: every adapter in a slot
         asyncio.run(run_set(direct, direct_jobs[:8], args.concurrency, 4))
-        res: dict[str, list[dict]] = {"direct": [], "gateway": [], "direct-noguard": []}
-        for _ in range(args.rounds):
-            res["direct"].append(asyncio.run(run_set(direct, direct_jobs, args.concurrency, args.max_tokens)))
-            res["gateway"].append(asyncio.run(run_set(gw, jobs, args.concurrency, args.max_tokens)))
-            if guard:
-                res["direct-noguard"].append(asyncio.run(run_set(direct, jobs, args.concurrency, args.max_tokens)))
+        sets = {"direct": (direct, direct_jobs), "gateway": (gw, jobs)}
+        if guard:
+            sets["direct-noguard"] = (direct, jobs)
+        res: dict[str, list[dict]] = {k: [] for k in sets}
+        keys = list(sets)
+        for r in range(args.rounds):  # the order rotates each round so that no path always goes first
+            for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+                url, js = sets[key]
+                res[key].append(asyncio.run(run_set(url, js, args.concurrency, args.max_tokens)))
     finally:
         proc.terminate()
         proc.wait(120)
@@ -122,7 +136,7 @@ def main() -> None:
     base_tps = med("direct", "tok_s")
     rows = []
     labels = {"direct": "vLLM direct (same models)", "gateway": "through tuneport gateway",
-              "direct-noguard": "vLLM direct, base without zero adapter"}
+              "direct-noguard": "vLLM direct, base as no adapter (unguarded)"}
     for key, label in labels.items():
         if not res[key]:
             continue
@@ -130,8 +144,8 @@ def main() -> None:
                      f"{med(key, 'p50') * 1000:.0f}", f"{med(key, 'p99') * 1000:.0f}",
                      " / ".join(f"{r['tok_s']:.1f}" for r in res[key])])
     print(f"machine: {machine()}")
-    print(f"model: tiny llama hidden 256 (fp32), 3 adapters + base mixed; {args.requests} requests x "
-          f"{args.max_tokens} tokens, concurrency {args.concurrency}; median of {args.rounds} alternating rounds; "
+    print(f"model: {model_desc} + base mixed; {args.requests} requests x {args.max_tokens} tokens, "
+          f"concurrency {args.concurrency}; median of {args.rounds} alternating rounds; "
           f"guard {'on' if guard else 'off'}")
     print(table(rows, ["path", "tok/s", "ratio", "p50 ms", "p99 ms", "rounds tok/s"]))
 

@@ -59,6 +59,25 @@ def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt:
         yield text[sent:], finish, n
 
 
+class Guard:
+    """Pure ASGI middleware (no per-request task as with ``@app.middleware``): API key, body size, count."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, metrics) -> None:
+        self.app, self.max_body, self.metrics = app, max_body, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return await _error(401, "missing or wrong API key", "authentication_error")(scope, receive, send)
+        if int(headers.get(b"content-length") or 0) > self.max_body:
+            return await _error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
+        self.metrics.inc("http_requests_total")
+        return await self.app(scope, receive, send)
+
+
 def create_app(service, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
     """The gateway over ``service``: a :class:`LlamaCppService` (tokens generated here) or a proxied
     service such as :class:`serve.vllm_service.VllmService` (OpenAI requests forwarded to the engine)."""
@@ -73,16 +92,7 @@ def create_app(service, api_key: str | None = None, max_body: int = MAX_BODY_BYT
     app = FastAPI(title="tuneport gateway", lifespan=lifespan)
     metrics = service.metrics
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "missing or wrong API key", "authentication_error")
-        if int(request.headers.get("content-length") or 0) > max_body:
-            return _error(413, f"request body over {max_body} bytes")
-        metrics.inc("http_requests_total")
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, metrics=metrics)
 
     @app.exception_handler(PoolError)
     async def pool_error(_: Request, e: PoolError):

@@ -25,7 +25,8 @@ class Upstream:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            # below uvicorn's 5 s keep-alive timeout on the vLLM side: never reuse a connection it is closing
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
             self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10), limits=limits)
         return self._client
 
