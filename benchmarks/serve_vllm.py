@@ -117,6 +117,25 @@ def main() -> None:
         gw, direct = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{vllm_port}"
         asyncio.run(run_set(gw, jobs[:8], args.concurrency, 4))  # warm-up: every adapter in a slot
         asyncio.run(run_set(direct, direct_jobs[:8], args.concurrency, 4))
+        import psutil
+
+        gateway_proc = psutil.Process(proc.pid)
+        procs = {"gateway": gateway_proc}
+        for ch in gateway_proc.children(recursive=True):
+            cmdline = " ".join(ch.cmdline())
+            procs["vLLM API server" if "api_server" in cmdline else f"vLLM engine core {ch.pid}"] = ch
+
+        def cpu() -> dict[str, float]:
+            out = {}
+            for k, p in procs.items():
+                try:
+                    t = p.cpu_times()
+                    out[k] = t.user + t.system
+                except psutil.Error:
+                    out[k] = 0.0
+            return out
+
+        cpu_ms: dict[str, list[dict[str, float]]] = {}
         sets = {"direct": (direct, direct_jobs), "gateway": (gw, jobs)}
         if guard:
             sets["direct-noguard"] = (direct, jobs)
@@ -125,7 +144,10 @@ def main() -> None:
         for r in range(args.rounds):  # the order rotates each round so that no path always goes first
             for key in keys[r % len(keys):] + keys[: r % len(keys)]:
                 url, js = sets[key]
+                before = cpu()
                 res[key].append(asyncio.run(run_set(url, js, args.concurrency, args.max_tokens)))
+                after = cpu()
+                cpu_ms.setdefault(key, []).append({k: (after[k] - before[k]) * 1000 / len(js) for k in after})
     finally:
         proc.terminate()
         proc.wait(120)
@@ -148,6 +170,12 @@ def main() -> None:
           f"concurrency {args.concurrency}; median of {args.rounds} alternating rounds; "
           f"guard {'on' if guard else 'off'}")
     print(table(rows, ["path", "tok/s", "ratio", "p50 ms", "p99 ms", "rounds tok/s"]))
+    # CPU time per request by process (robust to the timing noise of a small shared VM)
+    names = list(cpu_ms["direct"][0])
+    cpu_rows = [[labels[key], *(f"{statistics.median(r[n] for r in cpu_ms[key]):.1f}" for n in names)]
+                for key in cpu_ms]
+    print("CPU ms per request, by process (median over rounds):")
+    print(table(cpu_rows, ["path", *names]))
 
 
 if __name__ == "__main__":

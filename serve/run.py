@@ -1,4 +1,4 @@
-"""Start the gateway over the llama.cpp engine (``tuneport serve``)."""
+"""`tuneport serve`: pick the engine (serve.policy), print the dry-run plan, or run the gateway over an engine."""
 
 from __future__ import annotations
 

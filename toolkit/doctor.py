@@ -50,6 +50,12 @@ def doctor_report() -> dict:
         if engine == "exllamav3" and v and not (cuda and cuda["available"]):
             why = "installed, but exllamav3 needs CUDA"
         engines[engine] = {"available": bool(v) and not why, "version": v, "reason": why}
+    bugs = []
+    if pkgs["vllm"]:
+        from serve.vllm_bugs import bugs_that_apply, vllm_platform
+
+        bugs = [{"key": b.key, "upstream": b.upstream, "platform": vllm_platform(), "mitigation": b.mitigation}
+                for b in bugs_that_apply()]
     mem = None
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -64,6 +70,7 @@ def doctor_report() -> dict:
         "cuda": cuda,
         "nvidia_smi": shutil.which("nvidia-smi") is not None,
         "engines": engines,
+        "vllm_known_bugs": bugs,
     }
 
 
@@ -77,4 +84,7 @@ def format_doctor(r: dict) -> str:
         lines.append(f"  {name:18} {v or '-'}")
     for name, e in r["engines"].items():
         lines.append(f"engine {name:10} {'ok' if e['available'] else 'no'} {e['reason']}".rstrip())
+    for b in r.get("vllm_known_bugs", []):
+        lines.append(f"vLLM known bug on {b['platform']}: {b['key']} ({b['upstream']}); "
+                     f"tuneport serve works around it ({b['mitigation']})")
     return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""The memory plan per engine and the dry-run report."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from convert.errors import UserError
+
+from .artifact import ArtifactInfo
+from .choice import FORMAT_LABELS, EngineDecision, ServeLoad
+from .hardware import GIB, MIB
+
+# -- memory plan ----------------------------------------------------------------------------------
+LLAMACPP_SEQS_PER_CONTEXT = 8  # LlamaCppEngine's n_seq_max: each context holds n_ctx × 8 cells, unified
+LLAMACPP_KV_PAD = 256  # llama.cpp rounds a context's KV cells up to a multiple of 256 (measured, 0.3.36)
+VLLM_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes an engine needs for the load. ``total`` = weights + kv_cache + adapters (device memory: GPU
+    for vLLM / ExLlamaV3, RAM for llama.cpp); ``host``: adapter copies vLLM keeps in CPU memory;
+    ``per_gpu``: the share of one GPU under tensor/pipeline parallelism (None: one device)."""
+
+    engine: str
+    weights: int
+    kv_cache: int
+    adapters: int
+    total: int
+    host: int = 0
+    per_gpu: int | None = None
+    formula: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def _vllm_dtype_bytes(artifact: ArtifactInfo, dtype: str | None) -> tuple[int, str]:
+    if dtype and dtype != "auto":
+        if dtype not in VLLM_DTYPE_BYTES:
+            raise UserError(f"unknown --dtype {dtype!r}", f"use one of auto, {', '.join(VLLM_DTYPE_BYTES)}")
+        return VLLM_DTYPE_BYTES[dtype], f"--dtype {dtype}"
+    if artifact.dtype_bytes == 4:  # vLLM's --dtype auto runs float32 checkpoints in bfloat16/float16
+        return 2, "--dtype auto: float32 checkpoint downcast to 16 bits"
+    return artifact.dtype_bytes, "--dtype auto: the checkpoint's dtype"
+
+
+def _kv(artifact: ArtifactInfo, tokens: int, nbytes: int, tokens_how: str) -> tuple[int, str]:
+    a = artifact
+    kv = 2 * a.n_layers * a.n_kv_heads * a.head_dim * tokens * nbytes
+    return kv, (f"2 (K,V) × {a.n_layers} layers × {a.n_kv_heads} KV heads × {a.head_dim} head_dim × "
+                f"{_n(tokens)} tokens ({tokens_how}) × {nbytes} bytes = {_n(kv)}")
+
+
+def _plan_vllm(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+    db, db_how = _vllm_dtype_bytes(a, o["dtype"])
+    if a.format == "hf":
+        weights = a.params * db
+        w_how = f"{_n(a.params)} params × {db} bytes ({db_how}) = {_n(weights)}"
+    else:
+        weights = a.weight_bytes
+        w_how = f"{_n(weights)} bytes of {a.format} tensors as stored"
+    kvb = o["kv_bytes_per_elem"] or db
+    tokens = load.context_len * load.concurrency
+    kv, kv_how = _kv(a, tokens, kvb, f"{load.context_len} context × {load.concurrency} requests")
+    slots, rank = o["adapter_slots"], o["max_lora_rank"]
+    per_layer = sum(i + j for i, j in a.lora_shapes.values())
+    once = sum(i + j for i, j in a.embedding_lora_shapes.values())
+    lora = slots * rank * (a.n_layers * per_layer + once) * db
+    mods = ", ".join([*a.lora_shapes, *a.embedding_lora_shapes]) or "none known"
+    lora_how = (f"{slots} slots (--max-loras) × {rank} (--max-lora-rank) × ({a.n_layers} layers × {_n(per_layer)} "
+                f"+ {_n(once)}) Σ(in + out) over LoRA modules [{mods}] × {db} bytes = {_n(lora)} "
+                f"(A [slots, r, in] + B [slots, out, r] per module, preallocated)")
+    host = sum(o["adapter_bytes"])
+    tp, pp = o["tensor_parallel_size"], o["pipeline_parallel_size"]
+    formula = {"weights": w_how, "kv_cache": kv_how, "adapters": lora_how,
+               "host": f"Σ {len(o['adapter_bytes'])} registered adapters' CPU copies = {_n(host)}",
+               "total": "weights + kv_cache + adapters on the GPU(s); vLLM itself reserves "
+                        "--gpu-memory-utilization (0.9) of each GPU and fills what is left with KV blocks"}
+    per_gpu = None
+    if tp * pp > 1:
+        kv_heads = max(1, a.n_kv_heads // tp)  # KV heads are split over TP ranks, replicated past n_kv_heads
+        kv_gpu = 2 * math.ceil(a.n_layers / pp) * kv_heads * a.head_dim * tokens * kvb
+        per_gpu = weights // (tp * pp) + kv_gpu + lora // pp
+        formula["per_gpu"] = (f"weights / (tp {tp} × pp {pp}) + KV of {math.ceil(a.n_layers / pp)} layers × "
+                              f"{kv_heads} KV heads ({_n(kv_gpu)}) + LoRA stacks / pp (upper bound: TP splits only "
+                              f"one of A, B) = {_n(per_gpu)}")
+    return MemoryPlan("vllm", weights, kv, lora, weights + kv + lora, host, per_gpu, formula)
+
+
+def _plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+    if a.format == "gguf":
+        weights, w_how = a.weight_bytes, f"{_n(a.weight_bytes)} bytes of GGUF tensors (mapped from the file)"
+    elif a.format == "hf":
+        mat = a.params - a.vector_params
+        weights = 2 * mat + 4 * a.vector_params
+        w_how = (f"F16 GGUF conversion: 2 × {_n(mat)} matrix params + 4 × {_n(a.vector_params)} "
+                 f"F32 norm/bias params = {_n(weights)}")
+    else:
+        raise UserError(f"llama.cpp cannot load {FORMAT_LABELS.get(a.format, a.format)} weights",
+                        "serve it with vLLM, or export GGUF from the unquantized model")
+    kvb = o["kv_bytes_per_elem"] or 2
+    workers, seqs = o["workers"], o["seqs_per_context"]
+    cells = math.ceil(load.context_len * seqs / LLAMACPP_KV_PAD) * LLAMACPP_KV_PAD
+    kv, kv_how = _kv(a, cells * workers, kvb, f"{workers} contexts × {_n(cells)} cells = n_ctx {load.context_len} "
+                                              f"× {seqs} sequences, padded to {LLAMACPP_KV_PAD}")
+    adapters = sum(o["adapter_bytes"])
+    formula = {"weights": w_how, "kv_cache": kv_how + f"; serves up to {workers * seqs} requests at once, "
+                                                      "allocated whatever the concurrency",
+               "adapters": f"Σ {len(o['adapter_bytes'])} GGUF LoRA sizes (F32: 2× a bf16 PEFT file, "
+                           f"1× an fp32 one) = {_n(adapters)}",
+               "total": "weights + kv_cache + adapters in RAM (plus llama.cpp's compute buffers)"}
+    return MemoryPlan("llamacpp", weights, kv, adapters, weights + kv + adapters, 0, None, formula)
+
+
+def _plan_exllamav3(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+    kvb = o["kv_bytes_per_elem"] or 2
+    tokens = load.context_len * load.concurrency
+    kv, kv_how = _kv(a, tokens, kvb, f"cache for {load.context_len} context × {load.concurrency} requests")
+    formula = {"weights": f"{_n(a.weight_bytes)} bytes of {a.format} tensors as stored", "kv_cache": kv_how,
+               "adapters": "0: ExLlamaV3 loads no LoRA (merge adapters first)", "total": "weights + kv_cache"}
+    return MemoryPlan("exllamav3", a.weight_bytes, kv, 0, a.weight_bytes + kv, 0, None, formula)
+
+
+PLANNERS: dict[str, Callable[[ArtifactInfo, ServeLoad, dict], MemoryPlan]] = {
+    "vllm": _plan_vllm, "llamacpp": _plan_llamacpp, "exllamav3": _plan_exllamav3,
+}
+
+
+def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter_bytes: Sequence[int] = (),
+                max_lora_rank: int = 16, adapter_slots: int | None = None, kv_bytes_per_elem: int | None = None,
+                workers: int = 2, seqs_per_context: int = LLAMACPP_SEQS_PER_CONTEXT, dtype: str | None = None,
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> MemoryPlan:
+    """Weights + KV cache + adapters for ``engine`` (see ``MemoryPlan.formula`` for each number).
+
+    ``adapter_bytes``: each adapter as the engine holds it (``adapter_nbytes``); ``adapter_slots``:
+    vLLM's --max-loras (default: min(adapters, concurrency), at least 1); ``kv_bytes_per_elem``: default
+    the model dtype for vLLM, 2 (F16) for llama.cpp and ExLlamaV3; ``workers``: llama.cpp contexts;
+    ``dtype``: vLLM's --dtype."""
+    if engine not in PLANNERS:
+        raise UserError(f"unknown engine {engine!r}", f"one of {', '.join(PLANNERS)}")
+    slots = adapter_slots or max(1, min(load.n_adapters, load.concurrency))
+    opts = dict(adapter_bytes=list(adapter_bytes), max_lora_rank=max_lora_rank, adapter_slots=slots,
+                kv_bytes_per_elem=kv_bytes_per_elem, workers=workers, seqs_per_context=seqs_per_context,
+                dtype=dtype, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    return PLANNERS[engine](artifact, load, opts)
+
+
+# -- dry run --------------------------------------------------------------------------------------
+def dry_run(decision: EngineDecision, plans: dict[str, MemoryPlan], commands: list[dict],
+            notes: list[str]) -> dict:
+    """The JSON-able record ``--dry-run --json`` prints. ``commands``: {"env", "argv", "what"} each."""
+    return {"engine": decision.engine, "reason": decision.reason, "rule": decision.rule,
+            "plans": {e: p.to_dict() for e, p in plans.items()},
+            "commands": [{"what": c.get("what", ""), "env": dict(c.get("env") or {}), "argv": list(c["argv"])}
+                         for c in commands],
+            "notes": list(notes)}
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.2f} MiB"
+
+
+def shell_line(env: dict[str, str], argv: Sequence[str]) -> str:
+    """``VAR=value ... cmd args``, quoted for a POSIX shell."""
+    return " ".join([*(f"{k}={shlex.quote(str(v))}" for k, v in env.items()), shlex.join(argv)])
+
+
+PLAN_COLUMNS = ("weights", "kv_cache", "adapters", "total", "host", "per_gpu")
+
+
+def format_dry_run(d: dict) -> str:
+    lines = [f"engine: {d['engine']}", f"why:    {d['reason']}", "", "memory plan"]
+    width = max([len("engine"), *(len(e) for e in d["plans"])])
+    lines.append("  " + "engine".ljust(width) + "".join(c.replace("_", " ").rjust(12) for c in PLAN_COLUMNS))
+    for engine, p in d["plans"].items():
+        lines.append("  " + engine.ljust(width) + "".join(human_bytes(p[c]).rjust(12) for c in PLAN_COLUMNS))
+    for engine, p in d["plans"].items():
+        lines.append(f"  {engine}:")
+        lines += [f"    {k}: {v}" for k, v in p["formula"].items()]
+    lines += ["", "commands"]
+    for c in d["commands"]:
+        if c.get("what"):
+            lines.append(f"  # {c['what']}")
+        lines.append("  " + shell_line(c["env"], c["argv"]))
+    if d["notes"]:
+        lines += ["", "notes"] + [f"  - {n}" for n in d["notes"]]
+    return "\n".join(lines)
+
+
