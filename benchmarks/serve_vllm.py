@@ -29,17 +29,10 @@ from serve_llamacpp import make_model  # noqa: E402
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
+from serve.engines.vllm import free_port  # noqa: E402
 from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply  # noqa: E402
 
 N_ADAPTERS = 3
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def run_set(url: str, jobs: list[tuple[str, list[int]]], concurrency: int, max_tokens: int) -> dict:
