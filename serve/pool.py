@@ -124,12 +124,15 @@ class AdapterPool:
         p = Path(path).expanduser().resolve() if trusted else resolve_inside(path, self.allowed_roots)
         if trusted:
             self.allowed_roots.append(p)
+        deadline = time.monotonic() + self.slot_wait_s
         with self._lock:
-            while name in self._loading:
-                self._lock.wait()
-            if name in self._entries:
-                raise PoolError(f"adapter {name!r} is already loaded", "unload it first", status=409)
-            self._make_room()
+            while True:  # every wait releases the lock: look at the name again after each
+                while name in self._loading:
+                    self._lock.wait()
+                if name in self._entries:
+                    raise PoolError(f"adapter {name!r} is already loaded", "unload it first", status=409)
+                if self._make_room(deadline):
+                    break
             self._loading.add(name)
         try:
             nbytes = self._load(name, p)
@@ -164,10 +167,10 @@ class AdapterPool:
             self.stats.loads += 1
             return entry
 
-    def _make_room(self) -> None:
-        """Evict LRU idle unpinned adapters until one slot is free (lock held). When every slot is in
-        use, wait (up to ``slot_wait_s``) for a request to finish; pinned-only pools fail at once."""
-        deadline = time.monotonic() + self.slot_wait_s
+    def _make_room(self, deadline: float) -> bool:
+        """Evict LRU idle unpinned adapters until one slot is free (lock held): True. When every slot is in
+        use, wait once for a request to finish and return False, since the lock was released meanwhile and
+        the caller must look again; past ``deadline``, or with only pinned adapters, fail (503)."""
         while len(self._entries) + len(self._loading) >= self.max_adapters:
             idle = [e for e in self._entries.values() if not e.pinned and e.refs == 0]
             if not idle:
@@ -175,13 +178,14 @@ class AdapterPool:
                 left = deadline - time.monotonic()
                 if evictable_later and left > 0:
                     self._lock.wait(timeout=left)
-                    continue
+                    return False
                 raise PoolError(f"all {self.max_adapters} adapter slots are pinned or in use",
                                 "retry later, unload an adapter, or raise --max-adapters", status=503)
             victim = min(idle, key=lambda e: e.last_used)
             del self._entries[victim.name]
             self._unload(victim.name)
             self.stats.evictions += 1
+        return True
 
     def remove(self, name: str) -> None:
         """Unload ``name``; refused (409) while requests use it."""

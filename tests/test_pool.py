@@ -119,3 +119,30 @@ def test_concurrent_use_never_loses_an_adapter_in_use(tmp_path):
         t.join()
     assert not errors
     assert len(eng.loaded) <= 2 and pool.stats.loads >= 5
+
+
+def test_two_loads_of_one_name_waiting_for_a_full_pool_load_it_once(tmp_path):
+    """Both wait for the only slot; when it frees, one loads and the other finds it loaded (409), instead
+    of loading the name a second time over the first (which left requests on a replaced adapter)."""
+    engine = FakeEngine()
+    adapters = make_dirs(tmp_path, ["a", "b"])
+    pool = AdapterPool(engine.load, engine.unload, 1, adapters, slot_wait_s=10)
+    with pool.use("a"):
+        results: list[object] = []
+
+        def add_b():
+            try:
+                results.append(pool.add("b", adapters / "b"))
+            except PoolError as e:
+                results.append(e.status)
+
+        threads = [threading.Thread(target=add_b) for _ in range(2)]
+        for t in threads:
+            t.start()
+        import time
+
+        time.sleep(0.3)  # both are waiting for "a" to be released
+    for t in threads:
+        t.join(10)
+    assert engine.log.count(("load", "b")) == 1
+    assert sorted(map(str, results))[0] == "409" and pool.names() == ["b"]

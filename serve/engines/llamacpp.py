@@ -10,6 +10,7 @@ and a NULL adapter segfaults at decode.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import queue
 import threading
@@ -85,6 +86,10 @@ class LlamaCppEngine:
         self.n_seq_max = n_seq_max
         self._adapters: dict[str, object] = {}
         self._lock = threading.Lock()
+        # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a context
+        # decoding with one load of a name never admits a request made against a later reload of it.
+        self._loads = itertools.count(1)
+        self._generation: dict[str, int] = {}
         self._cv = threading.Condition()
         self._pending: list[_Seq] = []
         self._closed = False
@@ -149,11 +154,13 @@ class LlamaCppEngine:
             raise UserError(f"llama.cpp refused adapter {name} ({path.name})", "re-export the adapter for this base")
         with self._lock:
             self._adapters[name] = ptr
+            self._generation[name] = next(self._loads)
         return nbytes
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:
             ptr = self._adapters.pop(name)
+            self._generation.pop(name, None)
         self.lc.llama_adapter_lora_free(ptr)
 
     # -- generation: continuous batching per adapter set ------------------------------------------
@@ -166,11 +173,12 @@ class LlamaCppEngine:
                             f"context of {self.n_ctx}", "shorten the prompt or lower max_tokens")
         with self._lock:
             missing = [n for n in request.adapters if n not in self._adapters]
+            key = tuple(sorted((n, float(s), self._generation.get(n, 0)) for n, s in request.adapters.items()))
         if missing:
             raise UserError(f"adapter(s) {missing} not loaded", "load them first")
         if request.max_tokens <= 0:
             return
-        seq = _Seq(request, tuple(sorted(request.adapters.items())))
+        seq = _Seq(request, key)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine closed")
@@ -187,17 +195,18 @@ class LlamaCppEngine:
         finally:
             seq.cancelled = True
 
-    def _set_adapters(self, ctx, adapters: dict[str, float]) -> None:
+    def _set_adapters(self, ctx, key: tuple) -> None:
+        """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``ctx``."""
         lc = self.lc
         with self._lock:
-            missing = [n for n in adapters if n not in self._adapters]
-            if missing:
-                raise UserError(f"adapter(s) {missing} not loaded", "load them first")
-            ptrs = [self._adapters[n] for n in adapters]
+            gone = [name for name, _, gen in key if self._generation.get(name) != gen]
+            if gone:
+                raise UserError(f"adapter(s) {gone} were unloaded or reloaded meanwhile", "retry the request")
+            ptrs = [self._adapters[name] for name, _, _ in key]
         n = len(ptrs)
         if n:
             arr = (lc.llama_adapter_lora_p_ctypes * n)(*ptrs)
-            scales = (ctypes.c_float * n)(*adapters.values())
+            scales = (ctypes.c_float * n)(*(scale for _, scale, _ in key))
             lc.llama_set_adapters_lora(ctx, arr, n, scales)
         else:
             lc.llama_set_adapters_lora(ctx, None, 0, None)
@@ -230,7 +239,7 @@ class LlamaCppEngine:
                 key = active[0].key
                 lc.llama_memory_clear(mem, True)  # never reuse a cache across adapter sets
                 try:
-                    self._set_adapters(ctx, dict(key))
+                    self._set_adapters(ctx, key)
                     self._run(ctx, mem, batch, active, key)
                 except BaseException as e:  # noqa: BLE001 - delivered to the waiting requests
                     for sq in active:
