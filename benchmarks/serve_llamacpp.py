@@ -124,18 +124,11 @@ def http_traffic(url: str, bodies: list[dict], path: str, concurrency: int, coun
     return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
 
 
-def wait_http(url: str, path: str = "/health", timeout: float = 120) -> None:
-    import httpx
+def wait_http(url: str, timeout: float = 120) -> None:
+    from serve.http import wait_for_health
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
+    if not wait_for_health(url, timeout, interval_s=0.2):
+        raise RuntimeError(f"{url} did not come up")
 
 
 def compare_servers(model: Path, loras: list[Path], llama_server: Path, args) -> list[list[str]]:

@@ -30,6 +30,7 @@ from serve_llamacpp import make_model  # noqa: E402
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
 from serve.engines.vllm import free_port  # noqa: E402
+from serve.http import wait_for_health  # noqa: E402
 from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply  # noqa: E402
 
 N_ADAPTERS = 3
@@ -92,15 +93,8 @@ def main() -> None:
     cmd += ["--", "--enforce-eager", "--max-num-seqs", str(args.concurrency)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"tuneport serve exited: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{gw_port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+        if not wait_for_health(f"http://127.0.0.1:{gw_port}", 900, alive=lambda: proc.poll() is None):
+            raise SystemExit(f"tuneport serve did not come up: {proc.stderr.read()[-2000:]}")
         guard = bool(bugs_that_apply())
         models = [name, *adapters]
         jobs = [(models[i % len(models)], [1] + [100 + (i * 7 + j) % 300 for j in range(15)])

@@ -15,20 +15,17 @@ import uuid
 from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from convert.errors import UserError
 
+from .http import error_response
 from .pool import PoolError
 from .proxy import Upstream, forward
 from .service import LlamaCppService, dumps, gen_request
 
 MAX_BODY_BYTES = 1 << 20
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt: list[int], body: dict,
@@ -71,9 +68,9 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return await _error(401, "missing or wrong API key", "authentication_error")(scope, receive, send)
+            return await error_response(401, "missing or wrong API key", "authentication_error")(scope, receive, send)
         if int(headers.get(b"content-length") or 0) > self.max_body:
-            return await _error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
+            return await error_response(413, f"request body over {self.max_body} bytes")(scope, receive, send)
         self.metrics.inc("http_requests_total")
         return await self.app(scope, receive, send)
 
@@ -96,16 +93,16 @@ def create_app(service, api_key: str | None = None, max_body: int = MAX_BODY_BYT
 
     @app.exception_handler(PoolError)
     async def pool_error(_: Request, e: PoolError):
-        return _error(e.status, e.line())
+        return error_response(e.status, e.line())
 
     @app.exception_handler(UserError)
     async def user_error(_: Request, e: UserError):
-        return _error(400, e.line())
+        return error_response(400, e.line())
 
     @app.get("/health")
     async def health():
         if not getattr(service, "healthy", lambda: True)():
-            return _error(503, "the engine is not running; see the server log", "engine_down")
+            return error_response(503, "the engine is not running; see the server log", "engine_down")
         return {"status": "ok", "model": service.name, "adapters": len(service.pool.names())}
 
     @app.get("/metrics")

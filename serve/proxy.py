@@ -12,6 +12,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from .http import error_message, error_response
 from .pool import PoolError, check_name
 
 
@@ -36,20 +37,11 @@ class Upstream:
             self._client = None
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
 def _upstream_error(r: httpx.Response) -> JSONResponse:
     """vLLM's error with its message; its 5xx become 502 (the gateway itself is fine)."""
-    try:
-        body = r.json()
-        err = body.get("error", body) if isinstance(body, dict) else body
-        message = err.get("message") if isinstance(err, dict) else str(err)
-    except ValueError:
-        message = r.text[:500]
     status = r.status_code if r.status_code < 500 else 502
-    return _error(status, f"vLLM: {message}", "upstream_error" if status == 502 else "invalid_request_error")
+    return error_response(status, f"vLLM: {error_message(r)}",
+                          "upstream_error" if status == 502 else "invalid_request_error")
 
 
 async def forward(service, upstream: Upstream, path: str, body: dict):
@@ -83,7 +75,7 @@ async def forward(service, upstream: Upstream, path: str, body: dict):
         r = await upstream.client.post(path, json=sent)
     except httpx.HTTPError as e:
         stack.close()
-        return _error(502, f"vLLM is not reachable ({type(e).__name__}); see the server log", "upstream_error")
+        return error_response(502, f"vLLM is not reachable ({type(e).__name__}); see the server log", "upstream_error")
     except BaseException:
         stack.close()
         raise

@@ -39,12 +39,18 @@ def read_api_key(path: Path | None) -> str | None:
     return key
 
 
+def startup_adapters(specs: list[str], max_adapters: int, must_fit: bool) -> list[tuple[str, Path]]:
+    """``--adapter`` specs as (name, path); refused when they must all stay loaded but exceed the pool."""
+    named = parse_named(specs)
+    if must_fit and len(named) > max_adapters:
+        raise UserError(f"{len(named)} start-up adapters exceed --max-adapters {max_adapters}",
+                        "raise --max-adapters (or pass --no-pin on the llama.cpp engine)")
+    return named
+
+
 def build(base: str, adapters: list[str], adapter_dir: Path | None, max_adapters: int, pin: bool,
           n_ctx: int = 2048, workers: int = 2, kv_f32: bool = False) -> LlamaCppService:
-    named = parse_named(adapters)
-    if len(named) > max_adapters and pin:
-        raise UserError(f"{len(named)} pinned start-up adapters exceed --max-adapters {max_adapters}",
-                        "raise --max-adapters or pass --no-pin")
+    named = startup_adapters(adapters, max_adapters, must_fit=pin)
     service = LlamaCppService(base, max_adapters=max_adapters, adapter_dir=adapter_dir, n_ctx=n_ctx,
                               n_workers=workers, kv_f32=kv_f32)
     try:
@@ -61,17 +67,6 @@ def serve_llamacpp(base: str, adapters: list[str], adapter_dir: Path | None, max
     key = read_api_key(api_key_file)
     service = build(base, adapters, adapter_dir, max_adapters, pin, n_ctx, workers)
     run_gateway(service, key, host, port)
-
-
-def vllm_options(base: str, adapters: list[str], adapter_dir: Path | None, max_adapters: int, pin: bool,
-                 port: int, **kw) -> VllmOptions:
-    """Options for the vLLM engine; vLLM listens on 127.0.0.1 at ``--engine-port`` (default: port + 1)."""
-    named = parse_named(adapters)
-    if len(named) > max_adapters:
-        raise UserError(f"{len(named)} start-up adapters exceed --max-adapters {max_adapters}", "raise --max-adapters")
-    engine_port = kw.pop("engine_port", None) or port + 1
-    return VllmOptions(base=base, adapters=named, adapter_dir=adapter_dir, max_adapters=max_adapters, pin=pin,
-                       port=engine_port, **kw)
 
 
 def serve_vllm(opts: VllmOptions, host: str, port: int, api_key_file: Path | None, log_file: Path | None) -> None:
@@ -128,12 +123,14 @@ class ServeRequest:
     gpus_per_replica: int = 1
 
     def vllm(self) -> VllmOptions:
-        return vllm_options(self.base, self.adapters, self.adapter_dir, self.max_adapters, self.pin, self.port,
-                            engine_port=self.engine_port, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
-                            dtype=self.dtype, max_model_len=self.max_model_len,
-                            tensor_parallel_size=self.tensor_parallel_size,
-                            pipeline_parallel_size=self.pipeline_parallel_size, extra_args=self.extra_args,
-                            guard=self.guard)
+        """Options for the vLLM engine; vLLM listens on 127.0.0.1 at ``--engine-port`` (default: port + 1).
+        vLLM registers every start-up adapter, so they must fit the pool even with --no-pin."""
+        return VllmOptions(
+            base=self.base, adapters=startup_adapters(self.adapters, self.max_adapters, must_fit=True),
+            adapter_dir=self.adapter_dir, max_adapters=self.max_adapters, pin=self.pin,
+            port=self.engine_port or self.port + 1, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+            dtype=self.dtype, max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, extra_args=self.extra_args, guard=self.guard)
 
 
 def serve(req: ServeRequest, dry_run: bool = False) -> dict | None:
@@ -142,18 +139,16 @@ def serve(req: ServeRequest, dry_run: bool = False) -> dict | None:
 
     if req.extra_args and req.engine == "llamacpp":
         raise UserError(f"extra arguments {' '.join(req.extra_args)} are for vLLM", "drop them for --engine llamacpp")
-    decision = None
     engine = req.engine
     if engine == "auto" or dry_run:
-        decision = policy.choose_engine(policy.describe_artifact(req.base), policy.detect_hardware(),
-                                        policy.ServeLoad(concurrency=req.concurrency,
-                                                         n_adapters=len(req.adapters) + (1 if req.adapter_dir else 0),
-                                                         context_len=req.max_model_len or req.n_ctx),
-                                        policy.installed_engines())
+        artifact = policy.describe_artifact(req.base)
+        load = policy.ServeLoad(concurrency=req.concurrency, context_len=req.max_model_len or req.n_ctx,
+                                n_adapters=len(req.adapters) + (1 if req.adapter_dir else 0))
+        decision = policy.choose_engine(artifact, policy.detect_hardware(), load, policy.installed_engines())
         if engine == "auto":
             engine = decision.engine
-    if dry_run:
-        return policy_report(req, engine, decision)
+        if dry_run:
+            return policy_report(req, engine, decision, artifact, load)
     if engine == "llamacpp":
         serve_llamacpp(req.base, req.adapters, req.adapter_dir, req.max_adapters, req.pin, req.host, req.port,
                        req.api_key_file, req.n_ctx, req.workers)
@@ -190,14 +185,11 @@ def tuneport_argv(req: ServeRequest, engine: str) -> list[str]:
     return argv + (["--", *req.extra_args] if req.extra_args else [])
 
 
-def policy_report(req: ServeRequest, engine: str, decision) -> dict:
+def policy_report(req: ServeRequest, engine: str, decision, artifact, load) -> dict:
     """``--dry-run``: the engine and why, the memory plan per engine, the exact command(s)."""
     from . import policy
 
-    artifact = policy.describe_artifact(req.base)
     named = parse_named(req.adapters)
-    load = policy.ServeLoad(concurrency=req.concurrency, n_adapters=max(len(named), 1 if req.adapter_dir else 0),
-                            context_len=req.max_model_len or req.n_ctx)
     plans, notes = {}, []
     vllm_plan = None
     if artifact.format != "gguf":

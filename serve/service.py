@@ -56,9 +56,10 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def _digest(paths: list[Path]) -> str:
+def content_digest(directory: Path) -> str:
+    """A short sha256 of a directory's files (names and bytes): the cache key of a converted adapter."""
     h = hashlib.sha256()
-    for p in sorted(paths):
+    for p in sorted(x for x in directory.iterdir() if x.is_file()):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:24]
@@ -126,8 +127,7 @@ class LlamaCppService:
         from convert.checkpoint import Checkpoint
         from convert.gguf.lora import build_gguf_lora, write_gguf_lora
 
-        files = [p for p in adapter_dir.iterdir() if p.is_file()]
-        out = cache_dir() / "loras" / f"{_digest(files)}.gguf"
+        out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}.gguf"
         if not out.exists():
             try:
                 ck = Checkpoint(self.hf_base)

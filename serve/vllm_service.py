@@ -8,7 +8,6 @@ identical to the base) are rewritten once into the cache and vLLM gets the rewri
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
 
 from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
 from .pool import AdapterPool, PoolError, check_name
-from .service import Metrics
+from .service import Metrics, content_digest
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
 
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
@@ -57,13 +56,6 @@ def config_rank(adapter_dir: Path) -> int:
         return max([int(cfg.get("r") or 0), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
     except (OSError, ValueError, TypeError, AttributeError):
         return 0
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(x for x in path.iterdir() if x.is_file()):
-        h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()[:24]
 
 
 class VllmPlan:
@@ -125,7 +117,7 @@ class VllmPlan:
             raise PoolError(f"adapter {name} cannot be served by vLLM: " + "; ".join(pf.problems), "", status=422)
         if not pf.fixes:
             return Path(path).resolve()
-        out = cache_dir() / "vllm-adapters" / _digest(Path(path))
+        out = cache_dir() / "vllm-adapters" / content_digest(Path(path))
         if not out.exists():
             tmp = out.with_name(f"{out.name}.tmp-{time.time_ns()}")
             write_vllm_adapter(adapter, pf, tmp)

@@ -4,47 +4,21 @@ adapter admin, security and metrics."""
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from tests_helpers import Running, free_port
 
 from convert.export_hf import AdapterArg
 from convert.gguf.export import export_gguf
 from serve.gateway import create_app
+from serve.http import wait_for_health
 from serve.run import build
 
 pytestmark = pytest.mark.llamacpp
 KEY = "sekret-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    """A uvicorn server on a free loopback port, in a thread."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.srv.run, daemon=True)
-        self.thread.start()
-        for _ in range(400):
-            if self.srv.started:
-                break
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.srv.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +230,7 @@ def test_tuneport_serve_cli_starts_answers_and_stops_on_sigterm(zoo, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k1"}, timeout=30)
-        for _ in range(300):
-            try:
-                if c.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_health(f"http://127.0.0.1:{port}", 30, headers={"Authorization": "Bearer k1"}, interval_s=0.1)
         r = c.post("/v1/completions", json={"model": "plain", "prompt": "The model", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:

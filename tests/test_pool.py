@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+from tests_helpers import run_threads
 
 from serve.pool import AdapterPool, PoolError
 
@@ -112,11 +114,7 @@ def test_concurrent_use_never_loses_an_adapter_in_use(tmp_path):
             except AssertionError as e:
                 errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, [(k,) for k in range(4)])
     assert not errors
     assert len(eng.loaded) <= 2 and pool.stats.loads >= 5
 
@@ -139,8 +137,6 @@ def test_two_loads_of_one_name_waiting_for_a_full_pool_load_it_once(tmp_path):
         threads = [threading.Thread(target=add_b) for _ in range(2)]
         for t in threads:
             t.start()
-        import time
-
         time.sleep(0.3)  # both are waiting for "a" to be released
     for t in threads:
         t.join(10)

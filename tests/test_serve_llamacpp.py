@@ -7,7 +7,7 @@ import shutil
 import threading
 
 import pytest
-from tests_helpers import fresh_greedy
+from tests_helpers import fresh_greedy, run_threads
 
 from convert.errors import UserError
 from convert.export_hf import AdapterArg
@@ -56,11 +56,7 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
                 except Exception as e:  # noqa: BLE001
                     errors.append(e)
 
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(run, [(w,) for w in range(4)])
         assert not errors, errors[:1]
         wrong = [k for k, (c, i) in enumerate(jobs) if got[k] != want[(c, i)]]
         assert not wrong, [(jobs[k], got[k], want[jobs[k]]) for k in wrong[:2]]

@@ -10,18 +10,18 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from tests_helpers import Running, free_port
 
 from serve.gateway import create_app
+from serve.http import wait_for_health
 from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
 from serve.vllm_service import VllmOptions, VllmService
-from tests.test_gateway import Running, free_port
 from toolkit.fidelity import greedy, load_hf, load_peft
 
 pytestmark = pytest.mark.vllm
@@ -254,13 +254,7 @@ def test_cli_serves_vllm_and_never_leaves_it_orphaned(zoo, tmp_path):
     children: list[psutil.Process] = []
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if c.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_for_health(f"http://127.0.0.1:{port}", 600, alive=lambda: proc.poll() is None)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         r = c.post("/v1/completions", json={"model": "plain", "prompt": "The model", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from convert.errors import UserError
 
+from ..http import error_message, wait_for_health
+
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # Flags tuneport derives itself; passing them through as well would contradict what the pool expects.
 DERIVED_FLAGS = ("--model", "--served-model-name", "--enable-lora", "--max-lora-rank", "--max-loras",
@@ -137,18 +139,11 @@ class VllmProcess:
         return (errors or tail or ["(empty log)"])[-1].strip()[:300]
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise UserError(f"vLLM exited with code {self.proc.returncode} while starting: {self.failure_line()}",
-                                f"see its log {self.log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        self.stop()
+        if wait_for_health(self.url, timeout_s, alive=self.alive):
+            return
+        if not self.alive():
+            raise UserError(f"vLLM exited with code {self.proc.returncode} while starting: {self.failure_line()}",
+                            f"see its log {self.log_path}")
         raise UserError(f"vLLM did not become healthy within {timeout_s:.0f} s", f"see its log {self.log_path}")
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -172,16 +167,6 @@ class VllmProcess:
         atexit.unregister(self.stop)
 
 
-def vllm_error(response) -> str:
-    """vLLM's own message from an error response."""
-    try:
-        body = response.json()
-        err = body.get("error", body)
-        return str(err.get("message") or err.get("detail") or body) if isinstance(err, dict) else str(err)
-    except ValueError:
-        return response.text.strip()[:500] or f"HTTP {response.status_code}"
-
-
 class VllmAdapters:
     """Runtime adapter loading against a running vLLM server."""
 
@@ -193,12 +178,12 @@ class VllmAdapters:
     def load(self, name: str, path: Path) -> None:
         r = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
         if r.status_code != 200:
-            raise VllmRefused(name, r.status_code, vllm_error(r))
+            raise VllmRefused(name, r.status_code, error_message(r))
 
     def unload(self, name: str) -> None:
         r = self.client.post("/v1/unload_lora_adapter", json={"lora_name": name})
         if r.status_code not in (200, 404):
-            raise VllmRefused(name, r.status_code, vllm_error(r))
+            raise VllmRefused(name, r.status_code, error_message(r))
 
     def close(self) -> None:
         self.client.close()
