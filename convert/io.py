@@ -12,7 +12,7 @@ import shutil
 import struct
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -376,3 +376,34 @@ class ShardedSafetensorsWriter:
             idx.write_text(json.dumps(index, indent=2))
             files.append(idx)
         return files
+
+
+def content_digest(directory: Path) -> str:
+    """A short sha256 of a directory's files (names and bytes): the cache key of a converted adapter."""
+    h = hashlib.sha256()
+    for p in sorted(x for x in directory.iterdir() if x.is_file()):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def write_once(out: Path, write: Callable[[Path], None]) -> Path:
+    """Create the cache entry ``out`` (file or directory) with ``write(tmp)`` on a unique temporary sibling,
+    then rename; an entry that exists, or that a concurrent writer renamed first, is kept."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        try:
+            tmp.replace(out)
+        except OSError:
+            if not out.exists():
+                raise
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+    return out

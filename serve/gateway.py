@@ -44,10 +44,11 @@ def _stream_tokens(service: LlamaCppService, adapters: dict[str, float], prompt:
         for n, tok in enumerate(service.engine.generate(req), start=1):
             if token_ids is not None:
                 token_ids.append(tok)
+            seen = max(0, len(text) - hold)  # no stop string ends before here: earlier text was searched
             text += decoder.decode(service.engine.piece(tok))
-            hit = next((s for s in stops if s and s in text), None)
-            if hit:
-                text, stopped = text[: text.index(hit)], True
+            hit = next((at for s in stops if s and (at := text.find(s, seen)) >= 0), -1)
+            if hit >= 0:
+                text, stopped = text[:hit], True
                 break
             if len(text) - hold > sent:
                 yield text[sent : len(text) - hold], None, n

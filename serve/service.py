@@ -6,63 +6,19 @@ GGUF LoRA files or PEFT directories (converted on load for an HF base, cached by
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.errors import UserError
-from convert.io import cache_dir
+from convert.io import cache_dir, content_digest, write_once
 
 from .engines.base import GenerationRequest
 from .engines.llamacpp import LlamaCppEngine
+from .metrics import Metrics
 from .pool import AdapterPool, PoolError, check_name
-
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-@dataclass
-class Metrics:
-    counters: Counter = field(default_factory=Counter)
-    latency: list[float] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def inc(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            self.counters[name] += n
-
-    def observe(self, seconds: float) -> None:
-        with self.lock:
-            self.latency.append(seconds)
-
-    def render(self, pool: AdapterPool) -> str:
-        with self.lock:
-            c, lat = dict(self.counters), list(self.latency)
-        c.update({"adapter_loads_total": pool.stats.loads, "adapter_evictions_total": pool.stats.evictions,
-                  "adapter_hits_total": pool.stats.hits, "adapter_misses_total": pool.stats.misses})
-        lines = []
-        for name, v in sorted(c.items()):
-            lines += [f"# TYPE tuneport_{name} counter", f"tuneport_{name} {v}"]
-        lines.append("# TYPE tuneport_request_latency_seconds histogram")
-        for b in LATENCY_BUCKETS:
-            lines.append(f'tuneport_request_latency_seconds_bucket{{le="{b}"}} {sum(x <= b for x in lat)}')
-        lines.append(f'tuneport_request_latency_seconds_bucket{{le="+Inf"}} {len(lat)}')
-        lines.append(f"tuneport_request_latency_seconds_sum {sum(lat)}")
-        lines.append(f"tuneport_request_latency_seconds_count {len(lat)}")
-        lines.append(f"tuneport_adapters_loaded {len(pool.names())}")
-        return "\n".join(lines) + "\n"
-
-
-def content_digest(directory: Path) -> str:
-    """A short sha256 of a directory's files (names and bytes): the cache key of a converted adapter."""
-    h = hashlib.sha256()
-    for p in sorted(x for x in directory.iterdir() if x.is_file()):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:24]
 
 
 class LlamaCppService:
@@ -135,25 +91,27 @@ class LlamaCppService:
                 lora = build_gguf_lora(load_adapter(adapter_dir), ck, arch)
             except UserError as e:
                 raise PoolError(e.message, e.hint, status=422) from e
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(".tmp")
-            write_gguf_lora(tmp, lora, arch, adapter_dir.name)
-            tmp.replace(out)
+            write_once(out, lambda tmp: write_gguf_lora(tmp, lora, arch, adapter_dir.name))
         return out
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
         return self.engine.tokenize(text, self.add_bos if add_bos is None else add_bos, special=True)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        if not self.chat_template:
-            raise PoolError("the model has no chat template", "use /v1/completions", status=400)
+    @functools.cached_property
+    def _chat_formatter(self):
+        """The GGUF's chat template compiled once (Jinja2), with the model's bos/eos text."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         bos, eos = self.engine.special_token("bos"), self.engine.special_token("eos")
-        fmt = Jinja2ChatFormatter(self.chat_template, eos_token=self.engine.piece_text(eos) if eos is not None else "",
-                                  bos_token=self.engine.piece_text(bos) if bos is not None else "")
-        res = fmt(messages=messages)
+        return Jinja2ChatFormatter(self.chat_template,
+                                   eos_token=self.engine.piece_text(eos) if eos is not None else "",
+                                   bos_token=self.engine.piece_text(bos) if bos is not None else "")
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        if not self.chat_template:
+            raise PoolError("the model has no chat template", "use /v1/completions", status=400)
+        res = self._chat_formatter(messages=messages)
         return self.engine.tokenize(res.prompt, not res.added_special, special=True)
 
     def adapters_for(self, model: str, extra: dict | None) -> dict[str, float]:
@@ -168,12 +126,12 @@ class LlamaCppService:
         self.engine.close()
 
 
-def gen_request(prompt_tokens: list[int], adapters: dict[str, float], body: dict, stop_tokens=()) -> GenerationRequest:
+def gen_request(prompt_tokens: list[int], adapters: dict[str, float], body: dict) -> GenerationRequest:
+    temperature = body.get("temperature")
     return GenerationRequest(
         prompt_tokens=prompt_tokens, adapters=adapters, max_tokens=int(body.get("max_tokens") or 16),
-        temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
-        top_p=float(body.get("top_p") or 1.0), seed=body.get("seed"), stop_tokens=tuple(stop_tokens),
-        ignore_eos=bool(body.get("ignore_eos", False)))
+        temperature=1.0 if temperature is None else float(temperature), top_p=float(body.get("top_p") or 1.0),
+        seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos", False)))
 
 
 def dumps(obj) -> str:

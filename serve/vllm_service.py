@@ -18,13 +18,13 @@ from convert.arch import arch_for
 from convert.checkpoint import Checkpoint
 from convert.errors import UserError
 from convert.export_vllm import write_vllm_adapter
-from convert.io import cache_dir
+from convert.io import cache_dir, content_digest, write_once
 from convert.merge import WeightedAdapter, plan_merge
 from convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
 
 from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
+from .metrics import Metrics
 from .pool import AdapterPool, PoolError, check_name
-from .service import Metrics, content_digest
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
 
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
@@ -117,12 +117,8 @@ class VllmPlan:
             raise PoolError(f"adapter {name} cannot be served by vLLM: " + "; ".join(pf.problems), "", status=422)
         if not pf.fixes:
             return Path(path).resolve()
-        out = cache_dir() / "vllm-adapters" / content_digest(Path(path))
-        if not out.exists():
-            tmp = out.with_name(f"{out.name}.tmp-{time.time_ns()}")
-            write_vllm_adapter(adapter, pf, tmp)
-            tmp.replace(out)
-        return out
+        return write_once(cache_dir() / "vllm-adapters" / content_digest(Path(path)),
+                          lambda tmp: write_vllm_adapter(adapter, pf, tmp))
 
 
 class VllmService:

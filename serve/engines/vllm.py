@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -22,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.errors import UserError
+from convert.export_vllm import VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_MODULE, lora_module_args
 
 from ..http import error_message, wait_for_health
 
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # Flags tuneport derives itself; passing them through as well would contradict what the pool expects.
 DERIVED_FLAGS = ("--model", "--served-model-name", "--enable-lora", "--max-lora-rank", "--max-loras",
                  "--max-cpu-loras", "--lora-modules", "--host", "--port")
@@ -67,15 +66,14 @@ class VllmLaunch:
               "--max-cpu-loras", str(max(self.registered, self.adapter_slots))]
         if self.lora_modules:
             a.append("--lora-modules")
-            a += [json.dumps({"name": n, "path": p, "base_model_name": self.served_name})
-                  for n, p in self.lora_modules.items()]
+            a += lora_module_args(self.lora_modules, self.served_name)
         return a + list(self.extra_args)
 
     def command(self) -> list[str]:
-        return [self.python, "-m", VLLM_MODULE, *self.args()]
+        return [self.python, "-m", VLLM_SERVER_MODULE, *self.args()]
 
     def env(self) -> dict[str, str]:
-        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        return dict(VLLM_RUNTIME_LORA_ENV)
 
 
 def check_extra_args(extra: list[str]) -> list[str]:
