@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import struct
 import threading
@@ -152,9 +153,11 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temporaries(out: Path) -> list[Path]:
     """Remove temporary siblings of ``out`` left by a killed run (their process is gone)."""
     removed = []
+    # exactly <prefix><name>-<pid>-<8 hex>: a sibling output such as "run-5" has temporaries "run" must not touch
+    own = re.compile(re.escape(f"{TMP_PREFIX}{out.name}-") + r"(\d+)-[0-9a-f]{8}")
     for p in out.parent.glob(f"{TMP_PREFIX}{out.name}-*"):
-        pid = p.name[len(f"{TMP_PREFIX}{out.name}-"):].split("-")[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        m = own.fullmatch(p.name)
+        if m and not _pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

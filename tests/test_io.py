@@ -93,3 +93,15 @@ def test_reader_rejects_overlapping_offsets(tmp_path):
     bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
     with pytest.raises(UserError, match="has 8 bytes for shape"):
         SafetensorsFile(bad)
+
+
+def test_stale_temporaries_of_a_sibling_output_are_not_ours(tmp_path):
+    """Cleaning up after "run" must not touch the temporary of "run-5" (whose name starts the same)."""
+    from convert.io import remove_stale_temporaries
+
+    theirs = tmp_path / ".tuneport-tmp-run-5-99999999-abcdef12"
+    ours = tmp_path / ".tuneport-tmp-run-99999999-abcdef12"
+    theirs.mkdir()
+    ours.mkdir()
+    assert remove_stale_temporaries(tmp_path / "run") == [ours]
+    assert theirs.exists()
