@@ -110,13 +110,6 @@ class LoraModule:
     def target(self) -> str:
         return f"{self.module}.weight"
 
-    def delta(self) -> torch.Tensor:
-        """``scale * B @ A`` in fp32, in the base weight's layout."""
-        d = (self.B.float() * self.scale) @ self.A.float()
-        if self.kind == "embedding" or self.fan_in_fan_out:
-            d = d.T
-        return d
-
     def base_shape(self) -> tuple[int, ...]:
         out, inp = self.B.shape[0], self.A.shape[1]
         return (inp, out) if (self.kind == "embedding" or self.fan_in_fan_out) else (out, inp)

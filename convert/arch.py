@@ -28,7 +28,6 @@ class ArchSpec:
     linear_modules: tuple[str, ...] = LLAMA_LINEARS
     # Module suffixes each engine accepts a LoRA on (read from the engine's own model classes).
     vllm_lora_modules: tuple[str, ...] = LLAMA_LINEARS
-    llamacpp_lora_modules: tuple[str, ...] = LLAMA_LINEARS
     exl3_loads_lora: bool = False  # ExLlamaV3 (TabbyAPI) loads no LoRA: merge first
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -81,7 +80,6 @@ ARCHS: dict[str, ArchSpec] = {
         rope_style="neox",
         linear_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
         vllm_lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-        llamacpp_lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
         notes=("fused qkv_proj and gate_up_proj",),
     ),
 }

@@ -19,7 +19,7 @@ from ..arch import ArchSpec
 from ..checkpoint import Checkpoint
 from ..errors import UserError
 from ..merge import WeightedAdapter, plan_merge
-from .model import gguf_arch_for, permute_qk
+from .model import gguf_arch_for, permute_qk, qk_heads
 
 MERGE_HINT = "use --adapters merge"
 
@@ -59,11 +59,9 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     problems = lora_refusals(adapter, base, arch)
     if problems:
         raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
-    garch = gguf_arch_for(arch)
+    gguf_arch_for(arch)  # refuses an architecture without a GGUF table entry
     cfg = base.config
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], int(cfg["num_hidden_layers"]))
-    n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
     ranks = {m.rank for m in adapter.modules.values()}
     acfg = adapter.config
     uniform = not (acfg.get("rank_pattern") or acfg.get("alpha_pattern")) and len(ranks) == 1
@@ -84,10 +82,8 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
             a, b = A.T.contiguous(), B.contiguous()  # lora_a [vocab, r], lora_b [n_embd, r]
         else:
             a, b = A, B
-            if garch.permute_qk and mod.module.endswith("q_proj"):
-                b = permute_qk(b, n_head, n_head)
-            elif garch.permute_qk and mod.module.endswith("k_proj"):
-                b = permute_qk(b, n_head, n_kv)
+            if (heads := qk_heads(arch, cfg, mod.module)) is not None:
+                b = permute_qk(b, heads)
         lora.tensors[f"{gname}.lora_a"] = a
         lora.tensors[f"{gname}.lora_b"] = b
     return lora

@@ -26,7 +26,6 @@ class GGUFArch:
 
     # (GGUF key suffix, HF config keys tried in order, kind) — written when a key is present
     hparams: tuple[tuple[str, tuple[str, ...], str], ...]
-    permute_qk: bool = False  # llama-family "normal" RoPE: q/k rows reordered for interleaved pairs
     norm_offset: float = 0.0  # Gemma stores norm weights as (w - 1)
     write_vocab_size: bool = False
     write_rope_dims: bool = False
@@ -48,8 +47,8 @@ COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 SLIDING = (("attention.sliding_window", ("sliding_window",), "u32"),)
 GGUF_ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch(COMMON_HPARAMS, permute_qk=True, write_vocab_size=True, write_rope_dims=True),
-    "mistral": GGUFArch(COMMON_HPARAMS, permute_qk=True, write_vocab_size=True, write_rope_dims=True),
+    "llama": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
+    "mistral": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
     "qwen2": GGUFArch(COMMON_HPARAMS),
     "qwen3": GGUFArch(COMMON_HPARAMS),
     "gemma3_text": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, write_freq_base_swa=True, softcap=True),
@@ -83,10 +82,20 @@ def rope_parameters(config: dict, layer_kind: str = "full_attention") -> dict:
     return rp
 
 
-def permute_qk(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+# The modules whose rows llama.cpp wants in interleaved RoPE pairs, and the config key of their head count.
+QK_HEADS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
+
+
+def qk_heads(arch: ArchSpec, config: dict, module: str) -> int | None:
+    """Heads to reorder ``module``'s rows by: q/k of llama-family ("normal" RoPE) architectures, else None."""
+    key = QK_HEADS.get(module.rsplit(".", 1)[-1])
+    if key is None or arch.rope_style != "normal":
+        return None
+    return int(config.get(key) or config["num_attention_heads"])
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF rotate-half layout -> llama.cpp interleaved pairs (rows of q/k weights, or of LoRA B)."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -145,8 +154,6 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     n_layers = int(config["num_hidden_layers"])
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], n_layers)
     plan = GGUFModelPlan(arch, garch, config)
-    n_head = int(config["num_attention_heads"])
-    n_kv = int(config.get("num_key_value_heads") or n_head)
     for name, shape in shapes:
         if name.endswith(DROPPED_SUFFIXES):
             continue
@@ -161,16 +168,14 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         else:
             qtype = direct_type
         transform = None
-        if garch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            transform = lambda t, h=n_head: permute_qk(t, h, h)  # noqa: E731
-        elif garch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            transform = lambda t, h=n_head, kv=n_kv: permute_qk(t, h, kv)  # noqa: E731
+        if (heads := qk_heads(arch, config, name.rsplit(".", 1)[0])) is not None:
+            transform = lambda t, h=heads: permute_qk(t, h)  # noqa: E731
         elif garch.norm_offset and name.endswith("norm.weight"):
             transform = lambda t, o=garch.norm_offset: t.float() + o  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
     if rp["rope_type"] == "llama3":
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // n_head)
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // int(config["num_attention_heads"]))
         plan.extra["rope_freqs.weight"] = llama3_rope_freqs(rp, head_dim)
         plan.tensors.append(TensorPlan("", "rope_freqs.weight", (head_dim // 2,), "F32"))
     elif rp["rope_type"] not in ("default", "linear", "yarn"):
