@@ -7,7 +7,7 @@
 - on-demand: an unknown name is loaded from ``adapter_dir/<name>`` when that is a valid adapter.
 
 The pool is engine-agnostic: it calls ``load(name, path)`` / ``unload(name)`` callbacks that the engine
-provides, and never holds its lock while an engine call runs for a different adapter.
+provides. Loads run without the pool's lock; unloads (evictions, removals) still run under it.
 """
 
 from __future__ import annotations
