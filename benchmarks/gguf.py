@@ -27,7 +27,7 @@ from merge import make_base  # noqa: E402
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
 TUNEPORT = """
-from toolkit.cli import main
+from tuneport.toolkit.cli import main
 rc = main(['export', '--base', {base!r}, '--target', 'gguf', '--quant', 'f16', '--name', 'tp', '--out', {out!r}])
 assert rc == 0
 """
@@ -76,7 +76,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     base = work / "base"
     info = make_base(base, args.layers)
-    from toolkit.tiny.tokenizers import write_sentencepiece
+    from tuneport.toolkit.tiny.tokenizers import write_sentencepiece
 
     write_sentencepiece(base)  # a real SentencePiece tokenizer; the config's 32000 rows are padded
     print(f"base: {info['params'] / 1e9:.2f}B params, {info['bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shards")

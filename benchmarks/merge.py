@@ -20,25 +20,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, run_cmd, run_python, table  # noqa: E402
 
-from convert.io import ShardedSafetensorsWriter, TensorSpec  # noqa: E402
+from tuneport.convert.io import ShardedSafetensorsWriter  # noqa: E402
+from tuneport.convert.tensors import TensorMeta  # noqa: E402
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def llama_specs(h: int, inter: int, layers: int, heads: int, kv: int, vocab: int) -> list[TensorSpec]:
+def llama_specs(h: int, inter: int, layers: int, heads: int, kv: int, vocab: int) -> list[TensorMeta]:
     d = h // heads
     shapes = {"q_proj": (h, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h), "o_proj": (h, h),
               "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
-    specs = [TensorSpec("model.embed_tokens.weight", torch.bfloat16, (vocab, h))]
+    specs = [TensorMeta("model.embed_tokens.weight", torch.bfloat16, (vocab, h))]
     for i in range(layers):
         p = f"model.layers.{i}"
-        specs.append(TensorSpec(f"{p}.input_layernorm.weight", torch.bfloat16, (h,)))
+        specs.append(TensorMeta(f"{p}.input_layernorm.weight", torch.bfloat16, (h,)))
         for m in LINEARS:
             sub = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            specs.append(TensorSpec(f"{p}.{sub}.{m}.weight", torch.bfloat16, shapes[m]))
-        specs.append(TensorSpec(f"{p}.post_attention_layernorm.weight", torch.bfloat16, (h,)))
-    specs += [TensorSpec("model.norm.weight", torch.bfloat16, (h,)),
-              TensorSpec("lm_head.weight", torch.bfloat16, (vocab, h))]
+            specs.append(TensorMeta(f"{p}.{sub}.{m}.weight", torch.bfloat16, shapes[m]))
+        specs.append(TensorMeta(f"{p}.post_attention_layernorm.weight", torch.bfloat16, (h,)))
+    specs += [TensorMeta("model.norm.weight", torch.bfloat16, (h,)),
+              TensorMeta("lm_head.weight", torch.bfloat16, (vocab, h))]
     return specs
 
 
@@ -63,7 +64,7 @@ def make_base(out: Path, layers: int) -> dict:
             "shards": len(writer.shards), "specs": specs}
 
 
-def make_adapter(out: Path, specs: list[TensorSpec], r: int = 16) -> int:
+def make_adapter(out: Path, specs: list[TensorMeta], r: int = 16) -> int:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True)
@@ -82,7 +83,7 @@ def make_adapter(out: Path, specs: list[TensorSpec], r: int = 16) -> int:
 
 
 TUNEPORT = """
-from toolkit.cli import main
+from tuneport.toolkit.cli import main
 rc = main(['merge', '--base', {base!r}, '--adapter', {adapter!r}, '--out', {out!r}])
 assert rc == 0
 """
@@ -94,7 +95,7 @@ model = AutoModelForCausalLM.from_pretrained({base!r}, dtype=torch.bfloat16)
 model = PeftModel.from_pretrained(model, {adapter!r}).merge_and_unload()
 model.save_pretrained({out!r})
 """
-IMPORTS = "import torch, convert.merge, convert.export_hf, toolkit.cli\n"
+IMPORTS = "import torch, tuneport.convert.merge, tuneport.convert.export_hf, tuneport.toolkit.cli\n"
 
 
 def main() -> None:

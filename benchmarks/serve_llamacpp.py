@@ -30,7 +30,7 @@ from merge import llama_specs  # noqa: E402
 # benchmarks/gguf.py would shadow the gguf package: drop this folder from the path again
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
-from convert.io import ShardedSafetensorsWriter  # noqa: E402
+from tuneport.convert.io import ShardedSafetensorsWriter  # noqa: E402
 
 H, INTER, LAYERS, HEADS, KV, VOCAB, R = 768, 2048, 12, 12, 4, 32000, 16
 
@@ -42,7 +42,7 @@ def rss_mb() -> float:
 def make_model(root: Path, n_adapters: int) -> tuple[Path, list[Path]]:
     from safetensors.torch import save_file
 
-    from toolkit.tiny.tokenizers import write_sentencepiece
+    from tuneport.toolkit.tiny.tokenizers import write_sentencepiece
 
     base = root / "base"
     base.mkdir(parents=True)
@@ -78,7 +78,7 @@ def make_model(root: Path, n_adapters: int) -> tuple[Path, list[Path]]:
 
 
 def run_traffic(engine, names: list[str | None], n_requests: int, concurrency: int, max_tokens: int):
-    from serve.engines.base import GenerationRequest
+    from tuneport.serve.engines.llamacpp import GenerationRequest
 
     prompt = [1] + [100 + i for i in range(15)]
     lat: list[float] = []
@@ -125,7 +125,7 @@ def http_traffic(url: str, bodies: list[dict], path: str, concurrency: int, coun
 
 
 def wait_http(url: str, timeout: float = 120) -> None:
-    from serve.http import wait_for_health
+    from tuneport.serve.http import wait_for_health
 
     if not wait_for_health(url, timeout, interval_s=0.2):
         raise RuntimeError(f"{url} did not come up")
@@ -155,7 +155,7 @@ def compare_servers(model: Path, loras: list[Path], llama_server: Path, args) ->
     finally:
         ls.terminate()
         ls.wait()
-    tp = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", "--base", str(model),
+    tp = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
                            *sum((["--adapter", f"{nm}={p}"] for nm, p in zip(names, loras[:8], strict=True)), []),
                            "--port", "18082", "--n-ctx", "256", "--workers", "2"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -186,12 +186,12 @@ def main() -> None:
     work = args.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
     os.environ["TUNEPORT_CACHE_DIR"] = str(work / "cache")
-    from convert.export_hf import AdapterArg
-    from convert.gguf.export import export_gguf
-    from serve.engines.llamacpp import LlamaCppEngine
+    import tuneport
+    from tuneport.serve.engines.llamacpp import LlamaCppEngine
 
     base, peft = make_model(work, 32)
-    export_gguf(base, [AdapterArg(p, name=p.name) for p in peft], work / "gguf", mode="separate", quant="q8_0")
+    tuneport.export(base=base, adapters=[f"{p.name}={p}" for p in peft], target="gguf", adapter_mode="separate",
+                    quant="q8_0", out=work / "gguf")
     model = work / "gguf" / "base-Q8_0.gguf"
     loras = sorted((work / "gguf" / "adapters").glob("*.gguf"))
     rss0 = rss_mb()

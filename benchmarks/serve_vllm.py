@@ -29,9 +29,9 @@ from serve_llamacpp import make_model  # noqa: E402
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
-from serve.engines.vllm import free_port  # noqa: E402
-from serve.http import wait_for_health  # noqa: E402
-from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply  # noqa: E402
+from tuneport.serve.engines.vllm import free_port  # noqa: E402
+from tuneport.serve.http import wait_for_health  # noqa: E402
+from tuneport.serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply  # noqa: E402
 
 N_ADAPTERS = 3
 
@@ -72,7 +72,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tuneport-bench-vllm-"))
     if args.small:  # engine time per step is tiny: measures the Python around it
-        from toolkit.tiny import TinyZoo
+        from tuneport.toolkit.tiny import TinyZoo
 
         zoo = TinyZoo(work / "zoo")
         base = zoo.base("llama", wide=True)
@@ -85,16 +85,17 @@ def main() -> None:
     name = base.name
     gw_port, vllm_port = free_port(), free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TUNEPORT_CACHE_DIR": str(work / "cache")}
-    cmd = [sys.executable, "-m", "toolkit.cli", "serve", "--engine", "vllm", "--base", str(base),
-           "--port", str(gw_port), "--engine-port", str(vllm_port), "--dtype", "float32", "--max-model-len", "256",
+    cmd = [sys.executable, "-m", "tuneport", "serve", "--engine", "vllm", "--base", str(base),
+           "--port", str(gw_port), "--engine-port", str(vllm_port), "--dtype", "fp32", "--max-model-len", "256",
            "--log-file", str(work / "vllm.log")]
     for d in adapter_dirs:
         cmd += ["--adapter", f"{d.name}={d}"]
     cmd += ["--", "--enforce-eager", "--max-num-seqs", str(args.concurrency)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = work / "tuneport.log"  # its access log too: a file, never a pipe that could fill and block it
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     try:
         if not wait_for_health(f"http://127.0.0.1:{gw_port}", 900, alive=lambda: proc.poll() is None):
-            raise SystemExit(f"tuneport serve did not come up: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"tuneport serve did not come up: {log.read_text()[-2000:]}")
         guard = bool(bugs_that_apply())
         models = [name, *adapters]
         jobs = [(models[i % len(models)], [1] + [100 + (i * 7 + j) % 300 for j in range(15)])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import resolve_hub_path
 from .errors import UserError
 from .safetensors_file import SafetensorsFile
 
@@ -215,9 +216,16 @@ def _load_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tenso
     raise UserError(f"{path} has no adapter_model.safetensors", "pass a complete PEFT adapter directory")
 
 
+def resolve_adapter_path(spec: str | Path, allow_pickle: bool = False) -> Path:
+    """A local adapter (PEFT directory or GGUF LoRA file) as is; otherwise a hub id, downloaded."""
+    patterns = ["*.json", "*.safetensors", "*.gguf", "*.model", "*.txt", "*.jinja"]
+    return resolve_hub_path(spec, patterns + (["*.bin", "*.pt"] if allow_pickle else []),
+                            "an adapter directory or file")
+
+
 def load_adapter(path: str | Path, name: str | None = None, allow_pickle: bool = False) -> Adapter:
-    """Read and normalize a PEFT adapter directory; refuse what cannot be applied faithfully."""
-    path = Path(path).expanduser()
+    """Read and normalize a PEFT adapter directory (or hub id); refuse what cannot be applied faithfully."""
+    path = resolve_adapter_path(path, allow_pickle)
     if not path.is_dir():
         raise UserError(f"adapter {path} does not exist or is not a directory", "pass a PEFT adapter directory")
     cfg = read_adapter_config(path)

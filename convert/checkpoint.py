@@ -8,11 +8,9 @@ with ``torch.load(weights_only=True)``, one file at a time.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from .arch import ArchSpec, known_arch
 from .errors import UserError
 from .io import sha256_file
 from .safetensors_file import SafetensorsFile
+from .tensors import TensorMeta
 
 # Files that travel with a model: everything a tokenizer or generation needs.
 SIDE_FILES = (
@@ -39,30 +38,16 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def resolve_model_path(spec: str | Path, allow_pickle: bool = False) -> Path:
-    """A local directory as is; otherwise a hub id through ``huggingface_hub`` (honours HF_HUB_OFFLINE)."""
+def resolve_hub_path(spec: str | Path, patterns: list[str], what: str) -> Path:
+    """A local path as is; otherwise a hub id through ``huggingface_hub`` (honours HF_HUB_OFFLINE)."""
     path = Path(spec).expanduser()
     if path.exists():
         return path
     if not _HUB_ID.match(str(spec)):
-        raise UserError(f"{spec} does not exist", "pass a model directory or a Hugging Face hub id (org/name)")
+        raise UserError(f"{spec} does not exist", f"pass {what} or a Hugging Face hub id (org/name)")
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-        if allow_pickle:
-            patterns += ["*.bin", "*.pt"]
         return Path(snapshot_download(str(spec), allow_patterns=patterns))
     except Exception as e:  # network, auth, offline mode, unknown repo
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
@@ -72,6 +57,13 @@ def resolve_model_path(spec: str | Path, allow_pickle: bool = False) -> Path:
             else "check the id, your network and HF_TOKEN, or pass a local directory"
         )
         raise UserError(f"cannot fetch {spec} from the Hugging Face hub ({type(e).__name__})", hint) from e
+
+
+def resolve_model_path(spec: str | Path, allow_pickle: bool = False) -> Path:
+    """A local model directory or file as is; otherwise a hub id, downloaded (weights, config, tokenizer)."""
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    return resolve_hub_path(spec, patterns + (["*.bin", "*.pt"] if allow_pickle else []),
+                            "a model directory (or a .gguf file where GGUF is served)")
 
 
 class Checkpoint:
@@ -116,9 +108,9 @@ class Checkpoint:
             for f in st:
                 sf = SafetensorsFile(f)
                 self._files[f.name] = sf
-                for info in sorted(sf.tensors.values(), key=lambda t: t.start):
-                    self._where[info.name] = f.name
-                    self._metas[info.name] = TensorMeta(info.name, info.dtype, info.shape)
+                for name in sorted(sf.tensors, key=sf.offsets.__getitem__):
+                    self._where[name] = f.name
+                    self._metas[name] = sf.tensors[name]
             return
         pickles = sorted(p for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if not pickles:

@@ -4,54 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .adapter import load_adapter
-from .checkpoint import SIDE_FILES, Checkpoint, checkpoint_sha256
+from .checkpoint import SIDE_FILES, Checkpoint
 from .errors import UserError
-from .io import ShardedSafetensorsWriter, atomic_dir, check_output_path, sha256_file
-from .manifest import write_manifest
+from .export import Progress, check_base
+from .io import ShardedSafetensorsWriter, atomic_dir, check_output_path
+from .manifest import input_entries, write_manifest
 from .merge import MergePlan, WeightedAdapter, merge_one, plan_merge
+from .options import DEFAULT_SHARD_BYTES, AdapterSpec, ExportOptions, ExportResult, MergeOptions
 
-Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor name)
 TOKENIZER_FILES = tuple(f for f in SIDE_FILES if f != "generation_config.json")
-DEFAULT_SHARD_BYTES = 2 << 30
 
 
-@dataclass
-class AdapterArg:
-    """``PATH[:WEIGHT]`` or ``NAME=PATH[:WEIGHT]`` from the command line."""
-
-    path: Path
-    weight: float = 1.0
-    name: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> AdapterArg:
-        name = None
-        if "=" in text.split(":")[0]:
-            name, text = text.split("=", 1)
-        weight = 1.0
-        head, sep, tail = text.rpartition(":")
-        if sep and head:
-            try:
-                weight = float(tail)
-                text = head
-            except ValueError:
-                pass
-        return cls(Path(text).expanduser(), weight, name or None)
-
-
-@dataclass
-class MergeResult:
-    out: Path
-    plan: MergePlan
-    manifest: dict = field(default_factory=dict)
-
-
-def load_weighted(adapters: list[AdapterArg], allow_pickle: bool = False) -> list[WeightedAdapter]:
+def load_weighted(adapters: list[AdapterSpec], allow_pickle: bool = False) -> list[WeightedAdapter]:
     loaded = [WeightedAdapter(load_adapter(a.path, a.name, allow_pickle), a.weight) for a in adapters]
     names = [w.adapter.name for w in loaded]
     if len(set(names)) != len(names):
@@ -93,38 +60,23 @@ def copy_side_files(plan: MergePlan, out: Path) -> None:
             break
 
 
-def merge_inputs(plan: MergePlan, extra_adapters: list[WeightedAdapter] = ()) -> list[dict]:
-    """Manifest inputs: the base's files and every adapter, with sha256."""
-    inputs = [{"role": "base", "path": str(plan.base.spec), "files": checkpoint_sha256(plan.base)}]
-    for w in [*plan.adapters, *extra_adapters]:
-        a = w.adapter
-        inputs.append({"role": "adapter", "name": a.name, "path": str(a.path), "weight": w.weight,
-                       "sha256": sha256_file(a.file) if a.file else None})
-    return inputs
-
-
-def merge_to_dir(
-    base: str | Path,
-    adapters: list[AdapterArg],
-    out: Path,
-    dtype: str = "auto",
-    force: bool = False,
-    allow_pickle: bool = False,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    progress: Progress | None = None,
-    target: str = "merge",
-) -> MergeResult:
-    """Merge ``adapters`` into ``base`` and write a complete HF directory at ``out``, atomically."""
-    out = Path(out)
-    check_output_path(out, force)
-    ckpt = Checkpoint(base, allow_pickle=allow_pickle)
-    plan = plan_merge(ckpt, load_weighted(adapters, allow_pickle), dtype)
-    with atomic_dir(out, force=force) as tmp:
-        hashes = write_merged(plan, tmp, max_shard_bytes, progress)
+def merge_to_dir(opts: MergeOptions, target: str, progress: Progress | None = None) -> ExportResult:
+    """Merge ``opts.adapters`` into ``opts.base`` and write a complete HF directory at ``opts.out``, atomically."""
+    check_output_path(opts.out, opts.force)
+    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
+    check_base(ckpt, target)
+    plan = plan_merge(ckpt, load_weighted(opts.adapters, opts.allow_pickle), opts.dtype)
+    with atomic_dir(opts.out, force=opts.force) as tmp:
+        hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
         manifest = write_manifest(
-            tmp, target, merge_inputs(plan),
-            {"dtype": dtype, "max_shard_bytes": max_shard_bytes, "notes": plan.notes,
+            tmp, target, input_entries(ckpt, plan.adapters),
+            {"dtype": opts.dtype, "max_shard_bytes": opts.max_shard_bytes, "notes": plan.notes,
              "config_updates": plan.config_updates},
             known_hashes={tmp / p.name: h for p, h in hashes.items()},
         )
-    return MergeResult(out, plan, manifest)
+    return ExportResult(opts.out, target, manifest, notes=plan.notes, details={"config_updates": plan.config_updates})
+
+
+def export_safetensors(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    """``export --target safetensors``: the merged HF directory."""
+    return merge_to_dir(opts, "safetensors", progress)

@@ -15,10 +15,12 @@ from .adapter import PEFT_PREFIX, Adapter
 from .arch import arch_for
 from .checkpoint import Checkpoint
 from .errors import UserError
-from .export_hf import AdapterArg, Progress, load_weighted, merge_inputs, write_merged
+from .export import Progress, check_base
+from .export_hf import load_weighted, write_merged
 from .io import atomic_dir, check_output_path
-from .manifest import write_manifest
+from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge
+from .options import ExportOptions, ExportResult
 from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
 
 LAUNCH_JSON = "vllm_launch.json"
@@ -105,40 +107,32 @@ def check_for_vllm(base: Checkpoint, adapters: list[WeightedAdapter],
     return results
 
 
-def export_vllm(
-    base: str | Path,
-    adapters: list[AdapterArg],
-    out: Path,
-    mode: str = "separate",
-    dtype: str = "auto",
-    force: bool = False,
-    allow_pickle: bool = False,
-    progress: Progress | None = None,
-    max_lora_rank: int | None = None,
-) -> dict:
-    """Write a bundle vLLM serves as is; return its manifest."""
-    if mode not in ("separate", "merge"):
-        raise UserError(f"unknown --adapters {mode!r}", "use merge or separate")
-    out = Path(out)
-    check_output_path(out, force)
-    ckpt = Checkpoint(base, allow_pickle=allow_pickle)
-    loaded = load_weighted(adapters, allow_pickle)
+def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    """Write a bundle vLLM serves as is: the merged model, or the base plus one directory per adapter."""
+    check_output_path(opts.out, opts.force)
+    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
+    check_base(ckpt, "vllm")
+    loaded = load_weighted(opts.adapters, opts.allow_pickle)
     served = Path(ckpt.spec).name or "base"
-    vllm_dtype = None if dtype == "auto" else VLLM_DTYPES.get(dtype, dtype)
-    if mode == "merge":
-        arch_for(ckpt.model_type)
-        plan = plan_merge(ckpt, loaded, dtype)
-        with atomic_dir(out, force=force) as tmp:
-            hashes = write_merged(plan, tmp, progress=progress)
+    vllm_dtype = VLLM_DTYPES.get(opts.dtype)
+    serve_note = f"serve it with: {opts.out / LAUNCH_SH}"
+    if opts.adapter_mode == "merge":
+        if opts.max_lora_rank is not None:
+            raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
+        plan = plan_merge(ckpt, loaded, opts.dtype)
+        with atomic_dir(opts.out, force=opts.force) as tmp:
+            hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
             write_launch(tmp, launch_args(".", served, {}, 0, vllm_dtype))
-            return write_manifest(tmp, "vllm", merge_inputs(plan), {"adapters": "merge", "dtype": dtype,
-                                  "notes": plan.notes}, known_hashes={tmp / p.name: h for p, h in hashes.items()})
+            manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
+                                      {"adapters": "merge", "dtype": opts.dtype, "notes": plan.notes},
+                                      known_hashes={tmp / p.name: h for p, h in hashes.items()})
+        return ExportResult(opts.out, "vllm", manifest, notes=[*plan.notes, serve_note])
 
     if not loaded:
         raise UserError("--adapters separate needs at least one --adapter", "pass --adapter NAME=PATH")
-    results = check_for_vllm(ckpt, loaded, max_lora_rank)
+    results = check_for_vllm(ckpt, loaded, opts.max_lora_rank)
     max_rank = round_lora_rank(max(r for w in loaded for r in w.adapter.ranks))
-    with atomic_dir(out, force=force) as tmp:
+    with atomic_dir(opts.out, force=opts.force) as tmp:
         base_dir = tmp / "base"
         base_dir.mkdir()
         files = ckpt.weight_files + ckpt.side_files() + [ckpt.path / "config.json"]
@@ -157,8 +151,8 @@ def export_vllm(
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
             paths[w.adapter.name] = f"adapters/{w.adapter.name}"
         write_launch(tmp, launch_args("base", served, paths, max_rank, vllm_dtype))
-        return write_manifest(
-            tmp, "vllm", merge_inputs(plan_merge(ckpt, []), loaded),
-            {"adapters": "separate", "max_lora_rank": max_rank, "dtype": dtype},
-            extra={"fixes": {pf.adapter: pf.fixes for pf in results}},
-        )
+        fixes = {pf.adapter: pf.fixes for pf in results}
+        manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
+                                  {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype},
+                                  extra={"fixes": fixes})
+    return ExportResult(opts.out, "vllm", manifest, notes=[serve_note], fixes={k: v for k, v in fixes.items() if v})

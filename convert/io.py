@@ -21,21 +21,8 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .tensors import TORCH_TO_ST, TensorMeta
 
-# safetensors dtype names <-> torch dtypes
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 TMP_PREFIX = ".tuneport-tmp-"
 
 
@@ -93,36 +80,55 @@ def cache_dir() -> Path:
 
 class HashCache:
     """sha256 of input files, remembered by (path, size, mtime): merging many adapters into one base
-    hashes the base once. Set TUNEPORT_CACHE_DIR to move it; delete the file to forget."""
+    hashes the base once. The file is read once per process (see :func:`hash_cache`); each new digest
+    is written through at once. Set TUNEPORT_CACHE_DIR to move it; delete the file to forget."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path or cache_dir() / "sha256.json"
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._data: dict | None = None
+        self._lock = threading.Lock()
 
     @staticmethod
     def _key(p: Path) -> tuple[str, int, int]:
         st = p.stat()
         return str(p.resolve()), st.st_size, st.st_mtime_ns
 
-    def _load(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
+    def _entries(self) -> dict:
+        if self._data is None:
+            try:
+                loaded = json.loads(self.path.read_text())
+                self._data = loaded if isinstance(loaded, dict) else {}
+            except (OSError, ValueError):
+                self._data = {}
+        return self._data
 
     def get(self, p: Path) -> str | None:
         name, size, mtime = self._key(p)
-        e = self._load().get(name)
+        with self._lock:
+            e = self._entries().get(name)
         return e["sha256"] if e and e.get("size") == size and e.get("mtime_ns") == mtime else None
 
     def put(self, p: Path, digest: str) -> None:
         name, size, mtime = self._key(p)
-        with contextlib.suppress(OSError):
-            data = self._load()
+        with self._lock:
+            data = self._entries()
             data[name] = {"size": size, "mtime_ns": mtime, "sha256": digest}
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(self.path)
+            with contextlib.suppress(OSError):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+                tmp.write_text(json.dumps(data))
+                tmp.replace(self.path)
+
+
+_HASH_CACHES: dict[Path, HashCache] = {}
+
+
+def hash_cache() -> HashCache:
+    """The process's hash cache for the current cache directory."""
+    path = cache_dir() / "sha256.json"
+    if path not in _HASH_CACHES:
+        _HASH_CACHES[path] = HashCache(path)
+    return _HASH_CACHES[path]
 
 
 def fsync_dir(path: Path) -> None:
@@ -196,25 +202,9 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
 
 
 @dataclass
-class TensorSpec:
-    """What a tensor will be in the output: enough to write a safetensors header up front."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass
 class _Shard:
     path: Path
-    specs: list[TensorSpec]
+    specs: list[TensorMeta]
     offsets: dict[str, int] = field(default_factory=dict)  # absolute file offsets of tensor data
     written: set[str] = field(default_factory=set)
     hasher: OrderedHasher = field(default_factory=OrderedHasher)  # hashes tensor i while i+1 is written
@@ -222,9 +212,9 @@ class _Shard:
     in_order: bool = True
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+def plan_shards(specs: list[TensorMeta], max_shard_bytes: int) -> list[list[TensorMeta]]:
     """Split tensors, in order, into shards of at most ``max_shard_bytes`` (a bigger tensor gets its own)."""
-    shards: list[list[TensorSpec]] = [[]]
+    shards: list[list[TensorMeta]] = [[]]
     size = 0
     for s in specs:
         if shards[-1] and size + s.nbytes > max_shard_bytes:
@@ -246,7 +236,7 @@ class ShardedSafetensorsWriter:
     def __init__(
         self,
         directory: Path,
-        specs: list[TensorSpec],
+        specs: list[TensorMeta],
         max_shard_bytes: int = 2 << 30,
         metadata: dict[str, str] | None = None,
         basename: str = "model",

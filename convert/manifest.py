@@ -7,9 +7,20 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import Checkpoint, checkpoint_sha256
 from .io import sha256_file
 
 MANIFEST = "manifest.json"
+
+
+def input_entries(base: Checkpoint, adapters: list) -> list[dict]:
+    """Manifest inputs: the base's files and every adapter (``WeightedAdapter``s), with sha256."""
+    inputs = [{"role": "base", "path": str(base.spec), "files": checkpoint_sha256(base)}]
+    for w in adapters:
+        a = w.adapter
+        inputs.append({"role": "adapter", "name": a.name, "path": str(a.path), "weight": w.weight,
+                       "sha256": sha256_file(a.file) if a.file else None})
+    return inputs
 
 
 def output_entries(root: Path, known: dict[Path, str] | None = None) -> list[dict]:

@@ -13,7 +13,7 @@ import torch
 from .adapter import Adapter
 from .checkpoint import Checkpoint
 from .errors import UserError
-from .io import TensorSpec
+from .tensors import TensorMeta
 
 OUT_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
               "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,7 +33,7 @@ class MergePlan:
     base: Checkpoint
     adapters: list[WeightedAdapter]
     out_dtype: torch.dtype | None
-    specs: list[TensorSpec] = field(default_factory=list)
+    specs: list[TensorMeta] = field(default_factory=list)
     source: dict[str, str] = field(default_factory=dict)  # output name -> base tensor it starts from
     config_updates: dict[str, object] = field(default_factory=dict)
     untied: bool = False
@@ -138,11 +138,11 @@ def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "
 
     for name in base.names():
         meta = base.meta(name)
-        plan.specs.append(TensorSpec(name, _out_dtype(meta.dtype, plan.out_dtype), shapes.get(name, meta.shape)))
+        plan.specs.append(TensorMeta(name, _out_dtype(meta.dtype, plan.out_dtype), shapes.get(name, meta.shape)))
         plan.source[name] = name
     if plan.untied:
         meta = base.meta(embed)
-        plan.specs.append(TensorSpec(head, _out_dtype(meta.dtype, plan.out_dtype), shapes.get(head, meta.shape)))
+        plan.specs.append(TensorMeta(head, _out_dtype(meta.dtype, plan.out_dtype), shapes.get(head, meta.shape)))
         plan.source[head] = embed
     if plan.out_dtype is not None:
         name = CONFIG_DTYPE_NAMES[plan.out_dtype]
@@ -159,7 +159,7 @@ def _out_dtype(src: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
 CHUNK_BYTES = 4 << 20  # rows are merged in fp32 blocks of about this size, which stay in cache
 
 
-def merge_one(plan: MergePlan, spec: TensorSpec) -> torch.Tensor:
+def merge_one(plan: MergePlan, spec: TensorMeta) -> torch.Tensor:
     """The output tensor ``spec.name``: base (or replacement) + weighted LoRA deltas, DoRA, LoRA biases.
 
     Work is done in fp32 over blocks of rows and cast once into a fresh output tensor; the tensor read

@@ -7,32 +7,17 @@ the header up front turns truncated or corrupt files into a clear :class:`UserEr
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import UserError
-from .io import ST_DTYPES, HashCache, OrderedHasher, sha256_file
+from .io import OrderedHasher, hash_cache, sha256_file
+from .tensors import ST_DTYPES, TensorMeta
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 def _bad(path: Path, what: str) -> UserError:
     return UserError(
@@ -65,13 +50,14 @@ class SafetensorsFile:
         except (ValueError, UnicodeDecodeError) as e:
             raise _bad(self.path, f"corrupt header JSON: {str(e)[:80]}") from e
         self.size = size
-        self._known_sha256 = HashCache().get(self.path)
+        self._known_sha256 = hash_cache().get(self.path)
         self._hasher = OrderedHasher()
         if self._known_sha256 is None:
             self._hasher.update(head + raw)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         base = 8 + n
-        self.tensors: dict[str, TensorInfo] = {}
+        self.tensors: dict[str, TensorMeta] = {}
+        self.offsets: dict[str, int] = {}  # absolute byte offset of each tensor's data
         for name, entry in header.items():
             try:
                 dtype = ST_DTYPES[entry["dtype"]]
@@ -79,15 +65,16 @@ class SafetensorsFile:
                 lo, hi = (int(x) for x in entry["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise _bad(self.path, f"bad entry for tensor {name!r}") from e
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if hi - lo != nbytes or lo < 0:
+            meta = TensorMeta(name, dtype, shape)
+            if hi - lo != meta.nbytes or lo < 0:
                 raise _bad(self.path, f"tensor {name!r} has {hi - lo} bytes for shape {list(shape)}")
             if base + hi > size:
                 raise _bad(self.path, f"tensor {name!r} ends at byte {base + hi}, file has {size}")
-            self.tensors[name] = TensorInfo(name, dtype, shape, base + lo, nbytes)
+            self.tensors[name] = meta
+            self.offsets[name] = base + lo
 
     def read(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]
+        info, start = self.tensors[name], self.offsets[name]
         out = torch.empty(info.shape, dtype=info.dtype)
         if info.nbytes:
             buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
@@ -95,13 +82,13 @@ class SafetensorsFile:
             try:
                 done = 0
                 while done < info.nbytes:
-                    got = os.preadv(fd, [buf[done:]], info.start + done)
+                    got = os.preadv(fd, [buf[done:]], start + done)
                     if got <= 0:
                         raise _bad(self.path, f"short read of tensor {name!r}")
                     done += got
             finally:
                 os.close(fd)
-            if self._known_sha256 is None and info.start == self._hasher.pos:
+            if self._known_sha256 is None and start == self._hasher.pos:
                 self._hasher.update(buf)
         return out
 
@@ -109,6 +96,6 @@ class SafetensorsFile:
         """sha256 of the file; free when every tensor was read in file order, else read again."""
         if self._known_sha256 is None:
             digest = self._hasher.hexdigest() if self._hasher.pos == self.size else sha256_file(self.path)
-            HashCache().put(self.path, digest)
+            hash_cache().put(self.path, digest)
             self._known_sha256 = digest
         return self._known_sha256

@@ -1,12 +1,17 @@
-"""Small HTTP pieces shared by the gateway, the proxy and the engine launchers."""
+"""Small HTTP pieces shared by the gateway, the backends and the engine launchers."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
 import httpx
 from fastapi.responses import JSONResponse
+
+from .errors import ApiError
+
+__all__ = ["ApiError", "SSE_DONE", "dumps", "error_message", "error_response", "sse", "wait_for_health"]
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -38,3 +43,16 @@ def wait_for_health(url: str, timeout_s: float, alive: Callable[[], bool] = lamb
             pass
         time.sleep(interval_s)
     return False
+
+
+def dumps(obj) -> str:
+    """Compact JSON, as the OpenAI API sends it."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying ``obj``."""
+    return f"data: {dumps(obj)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -20,17 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convert.errors import UserError
+from .errors import ApiError
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-class PoolError(UserError):
+class PoolError(ApiError):
     """A pool request that cannot be served; ``status`` is the HTTP status a gateway should answer."""
-
-    def __init__(self, message: str, hint: str = "", status: int = 400) -> None:
-        super().__init__(message, hint)
-        self.status = status
 
 
 @dataclass

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from convert.arch import ArchSpec
-from convert.checkpoint import Checkpoint
-from convert.io import cache_dir
+from tuneport.convert.arch import ArchSpec
+from tuneport.convert.checkpoint import Checkpoint
+from tuneport.convert.io import cache_dir, write_once
 
 GUARD_ADAPTER = "tuneport-base"
 
@@ -80,8 +80,9 @@ def bugs_that_apply(platform: str | None = None, version: tuple[int, ...] | None
             if platform in b.platforms and (b.fixed_in is None or version < b.fixed_in)]
 
 
-def zero_adapter(base: Checkpoint, arch: ArchSpec) -> Path:
-    """A rank-1 all-zero PEFT adapter on the first LoRA module of layer 0 (cached per base config)."""
+def zero_adapter(base: Checkpoint, arch: ArchSpec, write: bool = True) -> Path:
+    """A rank-1 all-zero PEFT adapter on the first LoRA module of layer 0, cached per base config and written
+    once (``write=False``: only where it would be, for a dry run)."""
     prefix = f"{arch.layer_prefix}.0."
     target = next((n for n in base.names() if n.startswith(prefix) and n.endswith(".weight")
                    and n[: -len(".weight")].rsplit(".", 1)[-1] in arch.vllm_lora_modules), None)
@@ -91,16 +92,17 @@ def zero_adapter(base: Checkpoint, arch: ArchSpec) -> Path:
     out_f, in_f = base.meta(target).shape
     key = hashlib.sha256(json.dumps([base.config, module], sort_keys=True, default=str).encode()).hexdigest()[:20]
     out = cache_dir() / "vllm-guard" / key
-    if (out / "adapter_model.safetensors").exists():
+    if not write:
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": [module.rsplit(".", 1)[-1]],
-        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base.path)}, indent=2))
-    save_file({f"base_model.model.{module}.lora_A.weight": torch.zeros(1, in_f),
-               f"base_model.model.{module}.lora_B.weight": torch.zeros(out_f, 1)},
-              str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    tmp.replace(out)
-    return out
+
+    def write_dir(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": [module.rsplit(".", 1)[-1]],
+            "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(base.path)}, indent=2))
+        save_file({f"base_model.model.{module}.lora_A.weight": torch.zeros(1, in_f),
+                   f"base_model.model.{module}.lora_B.weight": torch.zeros(out_f, 1)},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    return write_once(out, write_dir)

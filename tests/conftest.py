@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.tiny import TinyZoo
+from tuneport.toolkit.tiny import TinyZoo
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TUNEPORT_CACHE_DIR", tempfile.mkdtemp(prefix="tuneport-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The vLLM servers tests start (child processes): a small KV cache and one OpenMP thread on these small machines.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 ARCHS = ["llama", "mistral", "qwen2"]
@@ -33,7 +36,7 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from toolkit.cli import main
+    from tuneport.toolkit.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

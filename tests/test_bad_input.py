@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit.tiny import make_adapter, make_base
+from tuneport.toolkit.tiny import make_adapter, make_base
 
 
 def copy_base(zoo, tmp_path: Path) -> Path:

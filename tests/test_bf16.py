@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from convert.export_hf import AdapterArg, merge_to_dir
-from toolkit.fidelity import load_peft
+import tuneport
+from tuneport.toolkit.fidelity import load_peft
 
 
 def _load_dir(path):
@@ -20,7 +20,7 @@ def test_bf16_merge_is_bitwise_close_to_peft_fp32_merge(zoo, tmp_path):
     base = zoo.base("llama", dtype="bf16")
     adapter = zoo.adapter("llama", "all_linear", dtype="bf16")
     out = tmp_path / "merged"
-    merge_to_dir(base, [AdapterArg(adapter)], out)
+    tuneport.merge(base=base, adapters=[adapter], out=out)
     ours = _load_dir(out)
 
     ref = load_peft(base, adapter, dtype=torch.float32).merge_and_unload().state_dict()

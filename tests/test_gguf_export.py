@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import ARCHS
 
-from convert.gguf.quant_types import QUANT_TYPES
-from toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
+from tuneport.convert.gguf.quant_types import QUANT_TYPES
+from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
 
 pytestmark = pytest.mark.llamacpp
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
@@ -276,7 +276,7 @@ def test_bad_input(zoo, tmp_path, cli):
             "--adapter", zoo.adapter("llama", "dora"), expect="DoRA")
     refused(cli, tmp_path / "o3b", "--base", zoo.base("llama"), "--adapters", "separate",
             "--adapter", zoo.adapter("llama", "modules_to_save"), expect="modules_to_save")
-    from toolkit.tiny import make_adapter, make_base
+    from tuneport.toolkit.tiny import make_adapter, make_base
 
     small = make_base("llama", tmp_path / "small", dims=dict(hidden_size=64, intermediate_size=128,
                                                              num_attention_heads=2, num_key_value_heads=1))
@@ -291,7 +291,7 @@ def test_merge_with_resized_vocab_and_added_tokens(zoo, tmp_path, cli, arch):
     """modules_to_save after adding tokens: the merged GGUF has the new rows and the adapter's tokens."""
     from transformers import AutoTokenizer
 
-    from toolkit.tiny import ADDED_TOKENS
+    from tuneport.toolkit.tiny import ADDED_TOKENS
 
     base, adapter = zoo.base(arch), zoo.adapter(arch, "modules_to_save")
     out = tmp_path / "gguf"

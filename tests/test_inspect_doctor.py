@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from convert.export_hf import AdapterArg, merge_to_dir
+import tuneport
 
 
 def inspect_json(cli, path) -> dict:
@@ -49,7 +49,7 @@ def test_inspect_adapter_engine_reasons(zoo, cli):
 
 def test_inspect_merged_checkpoint(zoo, tmp_path, cli):
     out = tmp_path / "merged"
-    merge_to_dir(zoo.base("llama"), [AdapterArg(zoo.adapter("llama", "plain"), name="plain")], out)
+    tuneport.merge(base=zoo.base("llama"), adapters=[f"plain={zoo.adapter('llama', 'plain')}"], out=out)
     r = inspect_json(cli, out)
     assert r["kind"] == "merged-checkpoint" and r["made_by"]["adapters"] == ["plain"]
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from toolkit.tiny import make_adapter, make_base
+from tuneport.toolkit.tiny import make_adapter, make_base
 
 
 def test_sigkill_mid_merge_leaves_nothing(tmp_path):
@@ -17,7 +17,7 @@ def test_sigkill_mid_merge_leaves_nothing(tmp_path):
                                num_attention_heads=8, num_key_value_heads=4))
     adapter = make_adapter(base, "all_linear", tmp_path / "adapter")
     out = tmp_path / "merged"
-    cmd = [sys.executable, "-m", "toolkit.cli", "merge", "--base", str(base), "--adapter", str(adapter),
+    cmd = [sys.executable, "-m", "tuneport", "merge", "--base", str(base), "--adapter", str(adapter),
            "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

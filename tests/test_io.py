@@ -9,13 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from convert.errors import UserError
-from convert.io import ShardedSafetensorsWriter, TensorSpec, atomic_dir, plan_shards
-from convert.safetensors_file import SafetensorsFile
+from tuneport.convert.errors import UserError
+from tuneport.convert.io import ShardedSafetensorsWriter, atomic_dir, plan_shards
+from tuneport.convert.safetensors_file import SafetensorsFile
+from tuneport.convert.tensors import TensorMeta
 
 
 def specs():
-    return [TensorSpec(f"t{i}", dt, (3 + i, 5)) for i, dt in
+    return [TensorMeta(f"t{i}", dt, (3 + i, 5)) for i, dt in
             enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.int64])]
 
 
@@ -73,7 +74,7 @@ def test_writer_refuses_wrong_shape(tmp_path):
 
 
 def test_plan_shards_keeps_order_and_limit():
-    s = [TensorSpec(f"t{i}", torch.float32, (10,)) for i in range(10)]  # 40 bytes each
+    s = [TensorMeta(f"t{i}", torch.float32, (10,)) for i in range(10)]  # 40 bytes each
     groups = plan_shards(s, 100)
     assert [x.name for g in groups for x in g] == [x.name for x in s]
     assert all(sum(x.nbytes for x in g) <= 100 for g in groups)
@@ -97,7 +98,7 @@ def test_reader_rejects_overlapping_offsets(tmp_path):
 
 def test_stale_temporaries_of_a_sibling_output_are_not_ours(tmp_path):
     """Cleaning up after "run" must not touch the temporary of "run-5" (whose name starts the same)."""
-    from convert.io import remove_stale_temporaries
+    from tuneport.convert.io import remove_stale_temporaries
 
     theirs = tmp_path / ".tuneport-tmp-run-5-99999999-abcdef12"
     ours = tmp_path / ".tuneport-tmp-run-99999999-abcdef12"
@@ -105,3 +106,27 @@ def test_stale_temporaries_of_a_sibling_output_are_not_ours(tmp_path):
     ours.mkdir()
     assert remove_stale_temporaries(tmp_path / "run") == [ours]
     assert theirs.exists()
+
+
+def test_hash_cache_is_read_once_per_process(zoo, tmp_path, monkeypatch):
+    """Opening a sharded checkpoint and hashing it reads sha256.json once, not once per shard."""
+    from tuneport.convert import io
+    from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256
+
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    reads = []
+    real = io.HashCache._entries
+
+    def counting(self):
+        if self._data is None:
+            reads.append(self.path)
+        return real(self)
+
+    monkeypatch.setattr(io.HashCache, "_entries", counting)
+    base = zoo.base("llama")
+    assert len(list(base.glob("*.safetensors"))) > 2
+    first = checkpoint_sha256(Checkpoint(base))  # computes and records every shard
+    again = checkpoint_sha256(Checkpoint(base))  # answered from the cache
+    assert first == again and len(reads) == 1
+    assert set(json.loads((tmp_path / "cache" / "sha256.json").read_text())) == {
+        str(p.resolve()) for p in base.glob("*.safetensors")}

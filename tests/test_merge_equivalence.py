@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import ARCHS
 
-from convert.export_hf import AdapterArg, merge_to_dir
-from toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
-from toolkit.tiny import VARIANTS
+import tuneport
+from tuneport.toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
+from tuneport.toolkit.tiny import VARIANTS
 
 TOL = 1e-4
 
@@ -21,7 +21,7 @@ def test_merge_matches_peft(zoo, tmp_path, ids, arch, variant):
     base = zoo.base_for(arch, variant)
     adapter = zoo.adapter(arch, variant)
     out = tmp_path / "merged"
-    merge_to_dir(base, [AdapterArg(adapter)], out)
+    tuneport.merge(base=base, adapters=[adapter], out=out)
 
     merged = logits(load_hf(out), ids)
     peft_model = load_peft(base, adapter)
@@ -44,12 +44,12 @@ def test_tied_base_with_embedding_lora_keeps_trained_behaviour(zoo, tmp_path, id
     """PEFT's merge_and_unload changes lm_head too when embeddings are tied; the trained model
     (unmerged) does not. tuneport unties and matches the trained model."""
     base = zoo.base("llama", tied=True)
-    from toolkit.tiny import make_adapter
+    from tuneport.toolkit.tiny import make_adapter
 
     adapter = tmp_path / "emb"
     make_adapter(base, "embedding", adapter)
     out = tmp_path / "merged"
-    merge_to_dir(base, [AdapterArg(adapter)], out)
+    tuneport.merge(base=base, adapters=[adapter], out=out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False
     unmerged = logits(load_peft(base, adapter), ids)
@@ -76,7 +76,7 @@ def test_weighted_adapters_sum_deltas(zoo, tmp_path, ids, cli):
 
 def test_dtype_option_casts_output(zoo, tmp_path):
     out = tmp_path / "m16"
-    merge_to_dir(zoo.base("qwen2"), [AdapterArg(zoo.adapter("qwen2", "plain"))], out, dtype="fp16")
+    tuneport.merge(base=zoo.base("qwen2"), adapters=[zoo.adapter("qwen2", "plain")], out=out, dtype="fp16")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["torch_dtype"] == "float16"
     model = load_hf(out, dtype=torch.float16)

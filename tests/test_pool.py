@@ -8,7 +8,7 @@ import time
 import pytest
 from tests_helpers import run_threads
 
-from serve.pool import AdapterPool, PoolError
+from tuneport.serve.pool import AdapterPool, PoolError
 
 
 class FakeEngine:

@@ -1,20 +1,28 @@
-"""serve.engines.llamacpp: mixed adapters over one model, each answer equal to a fresh llama.cpp
-instance holding only that adapter (and to PEFT for the first tokens, F32 GGUF + F32 KV cache)."""
+"""The llama.cpp engine and backend: mixed adapters over one model, each answer equal to a fresh llama.cpp
+instance holding only that adapter (and to PEFT for the first tokens, F32 GGUF + F32 KV cache), in the
+engine and through the gateway; churn; the CLI; HF bases and PEFT adapters converted and cached."""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
-from tests_helpers import fresh_greedy, run_threads
+from tests_helpers import free_port, fresh_greedy, run_threads
 
-from convert.errors import UserError
-from convert.export_hf import AdapterArg
-from convert.gguf.export import export_gguf
-from serve.engines.base import GenerationRequest
-from serve.engines.llamacpp import LlamaCppEngine
-from toolkit.fidelity import greedy, load_peft
+import tuneport
+from tuneport.convert.errors import UserError
+from tuneport.serve.engines.llamacpp import GenerationRequest, LlamaCppEngine
+from tuneport.serve.http import wait_for_health
+from tuneport.toolkit.fidelity import greedy, load_peft
 
 pytestmark = pytest.mark.llamacpp
 ADAPTERS = ["plain", "all_linear", "rslora"]
@@ -22,11 +30,16 @@ PROMPTS = [[1, 50, 60, 70], [1, 200, 300, 411, 7], [1, 9, 8, 7, 6, 5], [1, 100]]
 N = 8
 
 
+def export_separate(base, adapters: dict, out):
+    """An F32 GGUF of ``base`` with each adapter as a GGUF LoRA (adapters/<name>-F32.gguf)."""
+    return tuneport.export(base=base, adapters=[f"{n}={p}" for n, p in adapters.items()], target="gguf",
+                           adapter_mode="separate", quant="f32", out=out)
+
+
 @pytest.fixture(scope="module")
 def bundle(zoo, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "gguf"
-    export_gguf(zoo.base("llama"), [AdapterArg(zoo.adapter("llama", v), name=v) for v in ADAPTERS], out,
-                mode="separate", quant="f32")
+    export_separate(zoo.base("llama"), {v: zoo.adapter("llama", v) for v in ADAPTERS}, out)
     return out
 
 
@@ -81,13 +94,11 @@ def test_bad_adapters_are_refused_before_llamacpp(zoo, bundle, tmp_path):
     engine = LlamaCppEngine(bundle / "llama-fp32-F32.gguf", n_ctx=64, n_workers=1)
     try:
         other = tmp_path / "qwen"
-        export_gguf(zoo.base("qwen2"), [AdapterArg(zoo.adapter("qwen2", "plain"), name="q")], other,
-                    mode="separate", quant="f32")
+        export_separate(zoo.base("qwen2"), {"q": zoo.adapter("qwen2", "plain")}, other)
         with pytest.raises(UserError, match="architecture"):
             engine.load_adapter("q", other / "adapters" / "q-F32.gguf")
         wide = tmp_path / "wide"
-        export_gguf(zoo.base("llama", wide=True), [AdapterArg(zoo.adapter("llama", "plain", wide=True), name="w")],
-                    wide, mode="separate", quant="f32")
+        export_separate(zoo.base("llama", wide=True), {"w": zoo.adapter("llama", "plain", wide=True)}, wide)
         with pytest.raises(UserError, match="do not fit"):
             engine.load_adapter("w", wide / "adapters" / "w-F32.gguf")
         corrupt = tmp_path / "corrupt.gguf"
@@ -100,3 +111,134 @@ def test_bad_adapters_are_refused_before_llamacpp(zoo, bundle, tmp_path):
                                                           ignore_eos=True)))) == 3
     finally:
         engine.close()
+
+
+# -- through the gateway: tuneport.serve with --engine llamacpp ------------------------------------
+def serve_gguf(model, adapters: dict, adapter_dir=None, **kw):
+    return tuneport.serve(base=model, adapters=adapters, adapter_dir=adapter_dir, engine="llamacpp", port=0,
+                          kv_f32=True, **{"max_adapters": 3, "n_ctx": 128, "workers": 2, **kw})
+
+
+def ask_tokens(c: httpx.Client, model: str, prompt: list[int], n: int) -> tuple[int, object]:
+    r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                                        "ignore_eos": True, "return_token_ids": True})
+    return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+
+
+def test_mixed_load_matches_fresh_instances_and_peft(zoo, tmp_path):
+    """200 greedy requests mixing the base and 3 adapters at concurrency 8 through the gateway."""
+    names = [None, "plain", "all_linear", "rslora"]
+    gguf = tmp_path / "gguf"
+    export_separate(zoo.base("llama"), {n: zoo.adapter("llama", n) for n in names[1:]}, gguf)
+    loras = {n: gguf / "adapters" / f"{n}-F32.gguf" for n in names[1:]}
+    model = gguf / "llama-fp32-F32.gguf"
+    prompts = [[1, 50, 60, 70], [1, 200, 300, 411, 7], [1, 9, 8, 7, 6, 5], [1, 100], [1, 33, 44]]
+    want = {(n, i): fresh_greedy(model, loras.get(n), p, 16) for n in names for i, p in enumerate(prompts)}
+    for n in names[1:]:
+        peft_model = load_peft(zoo.base("llama"), zoo.adapter("llama", n))
+        for i, p in enumerate(prompts):
+            assert want[(n, i)][:8] == greedy(peft_model, p, 8), (n, i)
+    jobs = [(names[k % 4], (k // 4) % len(prompts)) for k in range(200)]
+    with serve_gguf(model, {n: str(p) for n, p in loras.items()}) as server:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, prompts[j[1]], 16), jobs))
+    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r[0] != 200 or r[1] != want[j]]
+    assert not bad, bad[:2]
+
+
+def test_churn_with_two_slots_and_five_adapters(zoo, tmp_path):
+    """--max-adapters 2, 5 adapters loaded on demand, evicted and unloaded under traffic: 0 wrong, no 5xx."""
+    import random
+
+    variants = ["plain", "all_linear", "rslora", "patterns", "regex"]
+    gguf = tmp_path / "gguf"
+    export_separate(zoo.base("llama"), {v: zoo.adapter("llama", v) for v in variants}, gguf)
+    adapter_dir = tmp_path / "adapters"
+    adapter_dir.mkdir()
+    for v in variants:
+        (adapter_dir / v).mkdir()
+        shutil.copy(gguf / "adapters" / f"{v}-F32.gguf", adapter_dir / v / "adapter.gguf")
+    model = gguf / "llama-fp32-F32.gguf"
+    prompts = [[1, 50, 60, 70], [1, 9, 8, 7]]
+    want = {(v, i): fresh_greedy(model, gguf / "adapters" / f"{v}-F32.gguf", p, 8)
+            for v in variants for i, p in enumerate(prompts)}
+    with serve_gguf(model, {}, adapter_dir, max_adapters=2, n_ctx=64) as server:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        stop = threading.Event()
+
+        def admin():
+            rng = random.Random(0)
+            while not stop.is_set():
+                c.delete(f"/v1/adapters/{rng.choice(variants)}")  # 200, 404 (not loaded) or 409 (in use)
+                time.sleep(0.01)
+
+        def ask(k):
+            v, i = variants[k % 5], k % 2
+            return (v, i), *ask_tokens(c, v, prompts[i], 8)
+
+        admin_thread = threading.Thread(target=admin)
+        admin_thread.start()
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(ask, range(120)))
+        stop.set()
+        admin_thread.join()
+        bad = [r for r in results if r[1] != 200 or r[2] != want[r[0]]]
+        assert not bad, bad[:3]
+        pool = server.backend.pool
+        assert pool.stats.evictions > 0 and len(pool.names()) <= 2
+        assert c.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2}).status_code == 404
+
+
+def test_tuneport_serve_cli_starts_answers_and_stops_on_sigterm(zoo, tmp_path):
+    gguf = tmp_path / "gguf"
+    export_separate(zoo.base("llama"), {"plain": zoo.adapter("llama", "plain")}, gguf)
+    key = tmp_path / "key"
+    key.write_text("k1\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(gguf / "llama-fp32-F32.gguf"),
+                             "--adapter", f"plain={gguf / 'adapters' / 'plain-F32.gguf'}", "--port", str(port),
+                             "--api-key-file", str(key), "--n-ctx", "64", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k1"}, timeout=30)
+        wait_for_health(f"http://127.0.0.1:{port}", 60, headers={"Authorization": "Bearer k1"}, interval_s=0.1)
+        r = c.post("/v1/completions", json={"model": "plain", "prompt": "The model", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert '"POST /v1/completions" 200 model=plain prompt_tokens=' in err  # the access log, on by default
+
+
+def test_hf_base_and_peft_adapters_are_converted_and_cached(zoo, tmp_path, monkeypatch):
+    """--base HF_DIR is converted once to GGUF; PEFT adapter dirs are converted on load, cached by content."""
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    adapter_dir = tmp_path / "adapters"
+    adapter_dir.mkdir()
+    shutil.copytree(zoo.adapter("llama", "rslora"), adapter_dir / "style")
+    with tuneport.serve(base=zoo.base("llama"), adapters={"chat": zoo.adapter("llama", "plain")},
+                        adapter_dir=adapter_dir, engine="llamacpp", n_ctx=64, workers=1, port=0) as server:
+        c = httpx.Client(base_url=server.url, timeout=60)
+        outs = {m: ask_tokens(c, m, [1, 50, 60, 70], 6)[1] for m in (server.backend.name, "chat", "style")}
+        assert len({tuple(v) for v in outs.values()}) == 3  # base and each adapter answer differently
+        assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+        assert len(list((tmp_path / "cache" / "loras").glob("*.gguf"))) == 2
+    with tuneport.serve(base=zoo.base("llama"), engine="llamacpp", n_ctx=64, workers=1, port=0):
+        pass
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1  # reused, not converted again
+
+
+def test_llamacpp_log_is_routed_to_logging_and_restored(tmp_path, caplog):
+    """While tuneport calls llama.cpp its log goes to logging (DEBUG); afterwards the old callback is back."""
+    from tuneport.convert.gguf.runtime import current_log_callback
+
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(b"GGUF\x03\0\0\0" + b"\0" * 64)  # a header gguf-py reads, tensors llama.cpp cannot load
+    before = current_log_callback()
+    with caplog.at_level(logging.DEBUG, logger="tuneport.llamacpp"), pytest.raises(UserError) as e:
+        LlamaCppEngine(bad, n_ctx=32, n_workers=1)
+    assert "could not load" in e.value.message and "--log-level debug" in e.value.hint
+    assert any(r.name == "tuneport.llamacpp" and "truncated.gguf" in r.getMessage() for r in caplog.records)
+    assert current_log_callback() == before

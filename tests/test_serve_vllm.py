@@ -6,7 +6,6 @@ Every answer is compared with the transformers + PEFT greedy reference in fp32 (
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,26 +15,24 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from tests_helpers import Running, free_port
+from tests_helpers import free_port
 
-from serve.gateway import create_app
-from serve.http import wait_for_health
-from serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
-from serve.vllm_service import VllmOptions, VllmService
-from toolkit.fidelity import greedy, load_hf, load_peft
+import tuneport
+from tuneport.serve.http import wait_for_health
+from tuneport.serve.vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
+from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
 
 pytestmark = pytest.mark.vllm
 
 STARTUP = ("plain", "all_linear", "rslora")
 N_TOKENS = 8
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 ENGINE_ARGS = ["--enforce-eager", "--max-num-seqs", "16"]
 
 
 def prompts_for(base: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from toolkit.tiny import PROMPTS
+    from tuneport.toolkit.tiny import PROMPTS
 
     tok = AutoTokenizer.from_pretrained(base)
     return [tok(p)["input_ids"] for p in PROMPTS[:5]]
@@ -66,15 +63,12 @@ def vsrv(zoo, tmp_path_factory):
         shutil.copytree(zoo.adapter("llama", variant), adapter_dir / name)
     peft_adapter(base, adapter_dir / "rank32", r=32, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     peft_adapter(base, adapter_dir / "bias", r=8, lora_alpha=16, target_modules=["q_proj"], bias="lora_only")
-    opts = VllmOptions(base=str(base), adapters=[(v, zoo.adapter("llama", v)) for v in STARTUP],
-                       adapter_dir=adapter_dir, max_adapters=6, max_loras=3, max_lora_rank=16, dtype="float32",
-                       max_model_len=256,
-                       extra_args=ENGINE_ARGS)
-    service = VllmService(opts, log_path=root / "vllm.log", env=VLLM_ENV)
-    run = Running(create_app(service))
-    yield {"url": run.url, "service": service, "base": base, "adapter_dir": adapter_dir, "root": root}
-    run.stop()
-    service.close()
+    server = tuneport.serve(base=base, adapters={v: zoo.adapter("llama", v) for v in STARTUP}, engine="vllm",
+                            adapter_dir=adapter_dir, max_adapters=6, max_loras=3, max_lora_rank=16, dtype="fp32",
+                            max_model_len=256, vllm_args=ENGINE_ARGS, log_file=root / "vllm.log", port=0)
+    service = server.backend
+    yield {"url": server.url, "service": service, "base": base, "adapter_dir": adapter_dir, "root": root}
+    server.close()
     assert not service.process.alive()
     assert not service.process.group_alive()  # the whole group (engine core included) is gone
 
@@ -175,7 +169,7 @@ def test_vllm_refusal_after_preflight_is_4xx_and_server_keeps_serving(vsrv, refs
     r = httpx.post(vsrv["url"] + "/v1/adapters", json={"name": "dora", "path": str(vsrv["adapter_dir"] / "dora")})
     assert 400 <= r.status_code < 500, r.text
     assert "vLLM refused adapter 'dora'" in r.json()["error"]["message"] and "DoRA" in r.json()["error"]["message"]
-    assert "dora" not in service.pool and service.healthy()
+    assert "dora" not in service.pool and service.health()
     prompts, want = refs
     assert complete(vsrv["url"], "llama-fp32", prompts[2]).json()["choices"][0]["token_ids"] == want["llama-fp32"][2]
 
@@ -184,7 +178,7 @@ def test_bad_requests_come_back_as_4xx(vsrv):
     r = httpx.post(vsrv["url"] + "/v1/completions", json={"model": "plain", "prompt": "x", "max_tokens": 10_000})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("vLLM:")
     r = httpx.post(vsrv["url"] + "/v1/completions", json={"model": "plain", "prompt": "x", "adapters": {"plain": 1}})
-    assert r.status_code == 400 and "llama.cpp engine only" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "not served by the vllm engine" in r.json()["error"]["message"]
     r = httpx.post(vsrv["url"] + "/v1/adapters", json={"name": GUARD_ADAPTER, "path": str(vsrv["adapter_dir"])})
     assert r.status_code in (400, 403)
 
@@ -214,8 +208,8 @@ def test_openai_client_completions_chat_streaming(vsrv, refs):
 
 def test_raw_vllm_cpu_bug_reproduces_and_the_guard_fixes_it(zoo, tmp_path):
     """Fails once upstream fixes the bug: then set ``fixed_in`` in serve.vllm_bugs.VLLM_KNOWN_BUGS."""
-    from convert.arch import arch_for
-    from convert.checkpoint import Checkpoint
+    from tuneport.convert.arch import arch_for
+    from tuneport.convert.checkpoint import Checkpoint
 
     if not bugs_that_apply():
         pytest.skip("the bug does not apply to this vLLM platform/version")
@@ -227,7 +221,7 @@ def test_raw_vllm_cpu_bug_reproduces_and_the_guard_fixes_it(zoo, tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(job))
     runner = Path(__file__).with_name("vllm_bug_runner.py")
     res = subprocess.run([sys.executable, str(runner), str(tmp_path / "job.json")], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, **VLLM_ENV})
+                         timeout=900)
     line = next((x for x in res.stdout.splitlines() if x.startswith("@@VLLM-RESULT@@")), None)
     assert line, res.stderr[-3000:]
     out = json.loads(line.split("@@VLLM-RESULT@@", 1)[1])
@@ -246,11 +240,11 @@ def test_cli_serves_vllm_and_never_leaves_it_orphaned(zoo, tmp_path):
 
     port = free_port()
     log = tmp_path / "vllm.log"
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", "--engine", "vllm",
+    proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--engine", "vllm",
                              "--base", str(zoo.base("llama")), "--adapter", f"plain={zoo.adapter('llama', 'plain')}",
-                             "--port", str(port), "--engine-port", str(free_port()), "--dtype", "float32",
+                             "--port", str(port), "--engine-port", str(free_port()), "--dtype", "fp32",
                              "--max-model-len", "128", "--log-file", str(log), "--", *ENGINE_ARGS],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **VLLM_ENV})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children: list[psutil.Process] = []
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)

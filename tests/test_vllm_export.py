@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ARCHS
 
-from toolkit.fidelity import greedy, load_peft
-from toolkit.tiny import PROMPTS, VARIANTS
+from tuneport.toolkit.fidelity import greedy, load_peft
+from tuneport.toolkit.tiny import PROMPTS, VARIANTS
 
 pytestmark = pytest.mark.vllm
 RUNNER = Path(__file__).with_name("vllm_runner.py")

@@ -6,8 +6,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from serve.engines.vllm import free_port
-from toolkit.fidelity import llamacpp_model
+from tuneport.serve.engines.vllm import free_port
+from tuneport.toolkit.fidelity import llamacpp_model
 
 __all__ = ["Running", "free_port", "fresh_greedy", "run_threads"]
 

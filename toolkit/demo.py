@@ -13,9 +13,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from convert.export_hf import AdapterArg, merge_to_dir
-from convert.export_vllm import LAUNCH_SH, export_vllm
-from toolkit.inspect import format_report, inspect_path
+from tuneport.convert.export import export, merge
+from tuneport.convert.export_vllm import LAUNCH_SH
+from tuneport.serve.run import serve
+
+from .inspect import format_report, inspect_path
 
 console = Console()
 
@@ -24,8 +26,8 @@ def run_demo(out: Path, force: bool = True) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from toolkit.fidelity import compare_logits, load_hf, load_peft, logits
-    from toolkit.tiny import TinyZoo
+    from .fidelity import compare_logits, load_hf, load_peft, logits
+    from .tiny import TinyZoo
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -41,7 +43,7 @@ def run_demo(out: Path, force: bool = True) -> dict:
 
     console.rule("[bold]2. tuneport merge: base + all-linear adapter -> one HF model")
     merged = out / "merged"
-    merge_to_dir(base, [AdapterArg(chat)], merged)
+    merge(base=base, adapters=[chat], out=merged)
     ids = torch.tensor([[1, 50, 60, 70, 80, 90, 100, 200, 300, 411]])
     cmp = compare_logits(logits(load_peft(base, chat), ids), logits(load_hf(merged), ids))
     console.print(f"wrote {merged}\nfidelity vs PEFT (fp32): max |Δlogit| = {cmp.max_abs:.2e}, "
@@ -49,24 +51,23 @@ def run_demo(out: Path, force: bool = True) -> dict:
 
     console.rule("[bold]3. tuneport export --target vllm --adapters separate: base + rsLoRA adapter")
     bundle = out / "vllm-bundle"
-    manifest = export_vllm(base, [AdapterArg(style, name="style")], bundle, mode="separate")
+    result = export(base=base, adapters=[f"style={style}"], target="vllm", adapter_mode="separate",
+                             out=bundle)
     console.print(f"wrote {bundle}; serve it with {bundle / LAUNCH_SH}")
-    for name, fixes in manifest.get("fixes", {}).items():
+    for name, fixes in result.fixes.items():
         for f in fixes:
             console.print(f"  {name}: fixed: {f}")
 
     console.rule("[bold]4. tuneport export --target gguf --quant q8_0 --adapters separate (llama.cpp, Ollama)")
-    from convert.gguf.export import export_gguf
-
     gguf_dir = out / "gguf"
-    gm = export_gguf(base, [AdapterArg(chat, name="chat"), AdapterArg(style, name="style")], gguf_dir,
-                     mode="separate", quant="q8_0")
+    gm = export(base=base, adapters=[f"chat={chat}", f"style={style}"], target="gguf",
+                         adapter_mode="separate", quant="q8_0", out=gguf_dir).details
     model_file = gguf_dir / gm["models"]["q8_0"]
     console.print(f"wrote {model_file.name}, " + ", ".join(gm["loras"].values())
                   + ", Modelfile, Modelfile.chat, Modelfile.style")
     gguf_fidelity = {}
     try:
-        from toolkit.fidelity import llamacpp_logits, llamacpp_model
+        from .fidelity import llamacpp_logits, llamacpp_model
 
         for name, rel in gm["loras"].items():
             llm = llamacpp_model(model_file, gguf_dir / rel)
@@ -90,30 +91,23 @@ def run_demo(out: Path, force: bool = True) -> dict:
     console.rule("[bold]6. tuneport inspect")
     for path in (base, chat, style, merged, bundle / "adapters" / "style", model_file,
                  gguf_dir / gm["loras"]["style"]):
-        console.print(format_report(inspect_path(str(path))), markup=False, highlight=False, soft_wrap=True)
+        console.print(format_report(inspect_path(path)), markup=False, highlight=False, soft_wrap=True)
         console.print()
     return {"base": str(base), "merged": str(merged), "bundle": str(bundle), "gguf": str(gguf_dir),
             "fidelity": cmp.as_dict(), "gguf_fidelity": gguf_fidelity, "served": served}
 
 
 def _serve_demo(model_file: Path, gguf_dir: Path, loras: dict[str, str]) -> dict[str, str]:
-    """Serve the GGUF base with both LoRAs (the gateway tuneport serve runs) and ask each the same."""
-    from fastapi.testclient import TestClient
-
-    from serve.gateway import create_app
-    from serve.run import build
+    """Serve the GGUF base with both LoRAs (what tuneport serve runs) and ask each the same question."""
+    import httpx
 
     console.rule("[bold]5. tuneport serve --engine llamacpp: one base, adapters picked per request")
-    service = build(str(model_file), [f"{n}={gguf_dir / p}" for n, p in loras.items()], None, max_adapters=4,
-                    pin=True, n_ctx=128, workers=1)
     answers = {}
-    try:
-        client = TestClient(create_app(service))
-        for model in [service.name, *loras]:
-            r = client.post("/v1/completions", json={"model": model, "prompt": "The model merges", "max_tokens": 12,
-                                                     "temperature": 0})
+    with serve(base=model_file, adapters={n: gguf_dir / p for n, p in loras.items()}, engine="llamacpp",
+                        max_adapters=4, n_ctx=128, workers=1, port=0) as server:
+        for model in [server.backend.name, *loras]:
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                           json={"model": model, "prompt": "The model merges", "max_tokens": 12, "temperature": 0})
             answers[model] = r.json()["choices"][0]["text"]
             console.print(f"model={model!r:22} -> {answers[model]!r}", markup=False, highlight=False)
-    finally:
-        service.close()
     return answers

@@ -52,7 +52,7 @@ def doctor_report() -> dict:
         engines[engine] = {"available": bool(v) and not why, "version": v, "reason": why}
     bugs = []
     if pkgs["vllm"]:
-        from serve.vllm_bugs import bugs_that_apply, vllm_platform
+        from tuneport.serve.vllm_bugs import bugs_that_apply, vllm_platform
 
         bugs = [{"key": b.key, "upstream": b.upstream, "platform": vllm_platform(), "mitigation": b.mitigation}
                 for b in bugs_that_apply()]

@@ -85,9 +85,9 @@ def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int 
     logits for every position. Close it with ``.close()``."""
     import llama_cpp
 
-    from convert.gguf.quantize import quiet_llamacpp
+    from tuneport.convert.gguf.runtime import llamacpp_logging
 
-    with quiet_llamacpp():
+    with llamacpp_logging():
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                                type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
                                n_gpu_layers=0, lora_path=str(lora) if lora else None, verbose=False, n_threads=2)

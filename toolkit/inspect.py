@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from convert.adapter import config_refusals, load_adapter, read_adapter_config
-from convert.arch import ARCHS, known_arch
-from convert.checkpoint import Checkpoint
-from convert.errors import UserError
-from convert.manifest import MANIFEST
-from convert.vllm_rules import preflight
+from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, read_adapter_config
+from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
+from tuneport.convert.checkpoint import Checkpoint
+from tuneport.convert.errors import UserError
+from tuneport.convert.export import base_refusal
+from tuneport.convert.gguf.lora import lora_refusals
+from tuneport.convert.gguf.model import GGUF_ARCHS, gguf_arch_for
+from tuneport.convert.gguf.read import gguf_field, is_lora, open_gguf
+from tuneport.convert.manifest import MANIFEST
+from tuneport.convert.vllm_rules import preflight
+
+# Every verdict below comes from the rule functions the exporters and preflights use themselves
+# (base_refusal, lora_refusals, preflight), so inspect and export cannot disagree.
+EXL3_MODEL = ("ExLlamaV3 loads EXL3 only, which this version of tuneport does not write "
+              "(exllamav3's own converter takes an unquantized HF directory)")
+EXL3_ADAPTER = "TabbyAPI's exllamav3 backend loads no LoRA: merge it first (tuneport merge)"
 
 
 def _engine(ok: bool, why: str = "") -> dict:
@@ -23,6 +33,22 @@ def _arch_from_adapter(cfg: dict):
         if cls in spec.hf_classes:
             return spec
     return None
+
+
+def gguf_lora_verdict(adapter: Adapter, arch: ArchSpec | None) -> str:
+    """Why llama.cpp / Ollama cannot load a PEFT adapter, and the export that makes them (when it would run)."""
+    if arch is None:
+        return ("llama.cpp loads GGUF LoRA files only; the adapter does not name its base architecture, so "
+                f"tuneport export --target gguf --adapters separate works only if its base is one of "
+                f"{', '.join(sorted(GGUF_ARCHS))}")
+    try:
+        gguf_arch_for(arch)
+    except UserError as e:
+        return f"llama.cpp loads GGUF LoRA files only, and {e.line()}"
+    problems = lora_refusals(adapter, None, arch)
+    if problems:
+        return "llama.cpp loads GGUF LoRA files only, and this adapter has no GGUF LoRA form: " + "; ".join(problems)
+    return "llama.cpp loads GGUF LoRA files only: tuneport export --target gguf --adapters separate"
 
 
 def inspect_adapter(path: Path) -> dict:
@@ -38,20 +64,14 @@ def inspect_adapter(path: Path) -> dict:
     modules = {m.module: {"kind": m.kind, "r": m.rank, "alpha": m.alpha, "scale": round(m.scale, 6),
                           "dora": m.magnitude is not None} for m in a.modules.values()}
     pf = preflight(a, arch)
-    mts = a.modules_to_save
-    gguf_no = []
-    if a.use_dora:
-        gguf_no.append("DoRA has no GGUF LoRA form: merge it")
-    if mts:
-        gguf_no.append("modules_to_save has no GGUF LoRA form: merge it")
+    gguf_reason = gguf_lora_verdict(a, arch)
     engines = {
-        "llama.cpp": _engine(False, "llama.cpp loads GGUF LoRA files only: " + (
-            "; ".join(gguf_no) if gguf_no else "tuneport export --target gguf --adapters separate")),
+        "llama.cpp": _engine(False, gguf_reason),
         "vllm": _engine(pf.ok, "; ".join(pf.problems) if pf.problems else
                         ("accepted after lossless fixes: " + "; ".join(pf.fixes) if pf.fixes else "")),
-        "exllamav3": _engine(False, "TabbyAPI's exllamav3 backend loads no LoRA: merge, then export --target exl3"),
-        "ollama": _engine(False,
-                          "Ollama's ADAPTER needs a GGUF LoRA: tuneport export --target gguf --adapters separate"),
+        "exllamav3": _engine(False, EXL3_ADAPTER),
+        "ollama": _engine(False, gguf_reason.replace("llama.cpp loads GGUF LoRA files only",
+                                                     "Ollama's ADAPTER needs a GGUF LoRA")),
     }
     return {
         "kind": "peft-adapter",
@@ -62,7 +82,7 @@ def inspect_adapter(path: Path) -> dict:
         "lora_alpha": cfg.get("lora_alpha"),
         "ranks": a.ranks,
         "targets": a.target_suffixes,
-        "modules_to_save": mts,
+        "modules_to_save": a.modules_to_save,
         "flags": a.flags(),
         "dtype": str(a.dtype).replace("torch.", ""),
         "parameters": sum(m.A.numel() + m.B.numel() for m in a.modules.values()),
@@ -91,11 +111,14 @@ def inspect_model(spec: str) -> dict:
     if quant:
         kind = "quantized-checkpoint"
     vllm_ok = arch is not None or bool(set(ck.config.get("architectures") or []))
+    gguf_refusal = base_refusal(ck, "gguf")
+    gguf_how = ("tuneport export --target gguf" if gguf_refusal is None
+                else f"tuneport cannot export this one to GGUF ({gguf_refusal})")
     engines = {
-        "llama.cpp": _engine(False, "llama.cpp loads GGUF only: tuneport export --target gguf"),
+        "llama.cpp": _engine(False, f"llama.cpp loads GGUF only: {gguf_how}"),
         "vllm": _engine(vllm_ok, "" if arch else "architecture not in tuneport's tables; vLLM may still load it"),
-        "exllamav3": _engine(False, "ExLlamaV3 loads EXL3 only: tuneport export --target exl3"),
-        "ollama": _engine(False, "Ollama imports GGUF: tuneport export --target gguf"),
+        "exllamav3": _engine(False, EXL3_MODEL),
+        "ollama": _engine(False, f"Ollama imports GGUF: {gguf_how}"),
     }
     return {
         "kind": kind,
@@ -117,35 +140,22 @@ def inspect_model(spec: str) -> dict:
 
 
 def inspect_gguf(path: Path) -> dict:
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise UserError("reading GGUF needs the gguf package", "pip install 'tuneport[gguf]'") from e
-    try:
-        r = GGUFReader(str(path))
-    except Exception as e:
-        raise UserError(f"{path} is not a valid GGUF file ({type(e).__name__})", "re-export or re-download it") from e
+    r = open_gguf(path)
 
     def field(name: str):
-        f = r.fields.get(name)
-        if f is None:
-            return None
-        try:
-            return f.contents()
-        except Exception:
-            return None
+        return gguf_field(r, name)
 
-    is_lora = field("general.type") == "adapter"
+    lora = is_lora(r)
     types = sorted({t.tensor_type.name for t in r.tensors})
     engines = {
         "llama.cpp": _engine(True),
-        "vllm": _engine(False, "vLLM's GGUF loading is experimental and takes no GGUF LoRA: export --target vllm")
-        if is_lora else _engine(True, "experimental in vLLM; prefer --target vllm"),
+        "vllm": _engine(False, "vLLM takes no GGUF LoRA: export the PEFT adapter with tuneport export --target vllm")
+        if lora else _engine(True, "experimental in vLLM; prefer the HF model (tuneport export --target vllm)"),
         "exllamav3": _engine(False, "ExLlamaV3 loads EXL3 only"),
         "ollama": _engine(True),
     }
     return {
-        "kind": "gguf-lora" if is_lora else "gguf-model",
+        "kind": "gguf-lora" if lora else "gguf-model",
         "path": str(path),
         "architecture": field("general.architecture"),
         "tensors": len(r.tensors),
@@ -153,7 +163,7 @@ def inspect_gguf(path: Path) -> dict:
         "quant_types": types,
         "bytes": path.stat().st_size,
         "chat_template": field("tokenizer.chat_template") is not None,
-        "lora_alpha": field("adapter.lora.alpha") if is_lora else None,
+        "lora_alpha": field("adapter.lora.alpha") if lora else None,
         "engines": engines,
     }
 

@@ -9,13 +9,14 @@ import torch
 
 from ..arch import arch_for
 from ..checkpoint import Checkpoint
-from ..errors import UserError
-from ..export_hf import AdapterArg, Progress, copy_side_files, load_weighted, merge_inputs
+from ..export import Progress, check_base
+from ..export_hf import copy_side_files, load_weighted
 from ..io import atomic_dir, check_output_path
-from ..manifest import write_manifest
+from ..manifest import input_entries, write_manifest
 from ..merge import merge_one, plan_merge
+from ..options import ExportOptions, ExportResult
 from .lora import build_gguf_lora, write_gguf_lora
-from .model import GGUFModelPlan, gguf_arch_for, plan_gguf_model, write_gguf_models
+from .model import GGUFModelPlan, plan_gguf_model, write_gguf_models
 from .modelfile import modelfile
 from .quant_types import QUANT_TYPES, QuantType, parse_quant_list
 from .quantize import quantize_with_llamacpp
@@ -28,30 +29,17 @@ def lossless_type(dtype: torch.dtype) -> QuantType:
     return QUANT_TYPES[LOSSLESS.get(dtype, "f32")]
 
 
-def export_gguf(
-    base: str | Path,
-    adapters: list[AdapterArg],
-    out: Path,
-    mode: str = "merge",
-    quant: str | None = None,
-    bpe_pre: str | None = None,
-    name: str | None = None,
-    force: bool = False,
-    allow_pickle: bool = False,
-    progress: Progress | None = None,
-) -> dict:
+def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
     """Write ``out/<name>-<QUANT>.gguf`` for every type (one conversion feeds them all), GGUF LoRAs under
     ``adapters/`` for ``--adapters separate``, a Modelfile per model/adapter, and manifest.json."""
-    if mode not in ("merge", "separate"):
-        raise UserError(f"unknown --adapters {mode!r}", "use merge or separate")
-    out = Path(out)
-    check_output_path(out, force)
-    quants = parse_quant_list(quant)
-    ckpt = Checkpoint(base, allow_pickle=allow_pickle)
+    mode, out = opts.adapter_mode, opts.out
+    check_output_path(out, opts.force)
+    quants = parse_quant_list(opts.quant)
+    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
+    check_base(ckpt, "gguf")
     arch = arch_for(ckpt.model_type)
-    gguf_arch_for(arch)
-    loaded = load_weighted(adapters, allow_pickle)
-    name = name or Path(ckpt.spec).name or "model"
+    loaded = load_weighted(opts.adapters, opts.allow_pickle)
+    name = opts.name or Path(ckpt.spec).name or "model"
     if mode == "merge" or not loaded:
         plan = plan_merge(ckpt, loaded if mode == "merge" else [])
         loras = []
@@ -67,13 +55,13 @@ def export_gguf(
     if via_llamacpp and lossless not in direct:
         direct = [lossless, *direct]
 
-    with atomic_dir(out, force=force) as tmp:
+    with atomic_dir(out, force=opts.force) as tmp:
         scratch = tmp / ".scratch"  # intermediate files; removed before the output is renamed into place
         tok_dir = scratch / "tokenizer"
         tok_dir.mkdir(parents=True)
         copy_side_files(plan, tok_dir)
         n_vocab = plan.specs[[s.name for s in plan.specs].index(f"{arch.embed}.weight")].shape[0]
-        vocab = read_vocab(tok_dir, n_vocab, bpe_pre)
+        vocab = read_vocab(tok_dir, n_vocab, opts.bpe_pre)
         shapes = [(s.name, s.shape) for s in plan.specs]
         files: dict[str, Path] = {}
         targets: list[tuple[Path, GGUFModelPlan, int]] = []
@@ -102,13 +90,11 @@ def export_gguf(
         for aname, path in lora_files.items():
             text, _ = modelfile(files[main.name].name, vocab.chat_template, f"adapters/{path.name}", eos=eos)
             (tmp / f"Modelfile.{aname}").write_text(text)
-        inputs = merge_inputs(plan, [] if mode == "merge" else loaded)
-        manifest = write_manifest(tmp, "gguf", inputs, known_hashes=hashes, options={
+        details = {"models": {q.name: files[q.name].name for q in quants},
+                   "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
+                   "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded}}
+        manifest = write_manifest(tmp, "gguf", input_entries(ckpt, loaded), known_hashes=hashes, options={
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
-            "notes": plan.notes}, extra={
-            "models": {q.name: files[q.name].name for q in quants},
-            "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
-            "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded},
-            "warnings": warnings})
-    return manifest
+            "notes": plan.notes}, extra={**details, "warnings": warnings})
+    return ExportResult(out, "gguf", manifest, notes=plan.notes, warnings=warnings, details=details)

@@ -9,6 +9,7 @@ and a NULL adapter segfaults at decode.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -20,9 +21,24 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.errors import UserError
+from tuneport.convert.errors import UserError
+from tuneport.convert.gguf.lora import check_gguf_lora
+from tuneport.convert.gguf.read import gguf_field, open_gguf, tensor_shapes
+from tuneport.convert.gguf.runtime import llamacpp_logging
 
-from .base import GenerationRequest
+
+@dataclass
+class GenerationRequest:
+    """One generation: prompt tokens, the adapter set (name -> scale; {} = the base), sampling."""
+
+    prompt_tokens: list[int]
+    adapters: dict[str, float] = field(default_factory=dict)
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_tokens: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(eq=False)
@@ -42,48 +58,33 @@ class _Seq:
         self.rng = np.random.default_rng(self.req.seed)
 
 
-def _read_gguf(path: Path):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(path))
-    except Exception as e:
-        raise UserError(f"{path} is not a valid GGUF file ({type(e).__name__})", "re-export it") from e
-
-
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    try:
-        return f.contents() if f is not None else None
-    except Exception:
-        return None
-
-
 class LlamaCppEngine:
     def __init__(self, model_path: Path, n_ctx: int = 2048, n_workers: int = 2, n_threads: int | None = None,
                  kv_f32: bool = False, n_seq_max: int = 8) -> None:
         import llama_cpp
 
-        from convert.gguf.quantize import quiet_llamacpp
-
         self.lc = llama_cpp
         self.model_path = Path(model_path)
-        reader = _read_gguf(self.model_path)
-        self.arch = _field(reader, "general.architecture")
-        # torch-order shapes (GGUF stores ne reversed)
-        self.tensor_shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+        reader = open_gguf(self.model_path)
+        self.arch = gguf_field(reader, "general.architecture")
+        self.tensor_shapes = tensor_shapes(reader)
         del reader
-        with quiet_llamacpp():
-            llama_cpp.llama_backend_init()
-            mp = llama_cpp.llama_model_default_params()
-            mp.n_gpu_layers = 0
-            self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
+        # llama.cpp logs while loading and at every adapter switch: to `logging` for the engine's lifetime
+        self._logging = contextlib.ExitStack()
+        self._logging.enter_context(llamacpp_logging())
+        llama_cpp.llama_backend_init()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
         if not self.model:
-            raise UserError(f"llama.cpp could not load {self.model_path}", "check the file with tuneport inspect")
+            self._logging.close()
+            raise UserError(f"llama.cpp could not load {self.model_path}",
+                            "check the file with tuneport inspect; --log-level debug shows llama.cpp's reason")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
+        self.n_workers = n_workers
         self._adapters: dict[str, object] = {}
         self._lock = threading.Lock()
         # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a context
@@ -108,7 +109,9 @@ class LlamaCppEngine:
                 cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
             ctx = llama_cpp.llama_init_from_model(self.model, cp)
             if not ctx:
-                raise RuntimeError("llama.cpp could not create a context")
+                self.close()
+                raise UserError(f"llama.cpp could not create a context of {n_ctx * n_seq_max} cells",
+                                "lower --n-ctx or --workers; --log-level debug shows llama.cpp's reason")
             self._contexts.append(ctx)
         self._workers = [threading.Thread(target=self._worker, args=(ctx,), daemon=True, name=f"llamacpp-{i}")
                          for i, ctx in enumerate(self._contexts)]
@@ -116,39 +119,8 @@ class LlamaCppEngine:
             t.start()
 
     # -- adapters ------------------------------------------------------------------------------
-    def check_adapter(self, path: Path) -> int:
-        """Validate a GGUF LoRA against this model; return its size in bytes."""
-        if not path.is_file():
-            raise UserError(f"{path} is not a GGUF LoRA file", "pass a file written by tuneport export --target gguf")
-        r = _read_gguf(path)
-        if _field(r, "general.type") != "adapter" or _field(r, "adapter.type") != "lora":
-            raise UserError(f"{path.name} is not a GGUF LoRA adapter", "export it with --adapters separate")
-        if _field(r, "general.architecture") != self.arch:
-            raise UserError(f"{path.name} is for architecture {_field(r, 'general.architecture')!r}, "
-                            f"the model is {self.arch!r}", "use an adapter made for this base")
-        pairs: dict[str, dict[str, tuple[int, ...]]] = {}
-        for t in r.tensors:
-            base, _, part = t.name.rpartition(".")
-            if part not in ("lora_a", "lora_b"):
-                raise UserError(f"{path.name}: unexpected tensor {t.name}", "re-export the adapter")
-            pairs.setdefault(base, {})[part] = tuple(int(x) for x in reversed(t.shape.tolist()))
-        for base, ab in pairs.items():
-            shape = self.tensor_shapes.get(base)
-            if shape is None or len(ab) != 2:
-                raise UserError(f"{path.name}: {base} is not in the model or lacks lora_a/lora_b",
-                                "the adapter was made for another base")
-            a, b = ab["lora_a"], ab["lora_b"]
-            if base == "token_embd.weight":
-                ok = a[0] == shape[0] and b[0] == shape[1] and a[1] == b[1]
-            else:
-                ok = a[1] == shape[1] and b[0] == shape[0] and a[0] == b[1]
-            if not ok:
-                raise UserError(f"{path.name}: {base} LoRA shapes {list(a)}, {list(b)} do not fit the model's "
-                                f"{list(shape)}", "the adapter was made for another base")
-        return path.stat().st_size
-
     def load_adapter(self, name: str, path: Path) -> int:
-        nbytes = self.check_adapter(Path(path))
+        nbytes = check_gguf_lora(Path(path), self.arch, self.tensor_shapes)
         ptr = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
         if not ptr:  # NULL pointer: falsy, not None
             raise UserError(f"llama.cpp refused adapter {name} ({path.name})", "re-export the adapter for this base")
@@ -361,3 +333,4 @@ class LlamaCppEngine:
         if self.model:
             self.lc.llama_model_free(self.model)
             self.model = None
+        self._logging.close()

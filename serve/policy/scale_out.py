@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from convert.errors import UserError
+from tuneport.convert.errors import UserError
 
 
 # -- scale-out ------------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""Every export target as data, and the two entry points ``merge`` and ``export``.
+
+Adding a target means one module (its writer) and one row in ``TARGETS``; the CLI's ``--target`` choices,
+the option checks and ``inspect``'s suggestions all come from this table.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .arch import arch_for
+from .errors import UserError
+from .options import ExportOptions, ExportResult, MergeOptions, coerce_options
+
+if TYPE_CHECKING:  # the table is imported by the CLI's --help: nothing heavy at import time
+    from .checkpoint import Checkpoint
+
+Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current item)
+
+# Options that only some targets honour: field -> (flag, value meaning "not given")
+TARGET_OPTIONS: dict[str, tuple[str, object]] = {
+    "dtype": ("--dtype", "auto"),
+    "quant": ("--quant", None),
+    "bpe_pre": ("--bpe-pre", None),
+    "name": ("--name", None),
+    "max_lora_rank": ("--max-lora-rank", None),
+}
+
+
+def unquantized(ckpt: Checkpoint) -> None:
+    if ckpt.quantization:
+        method = ckpt.quantization.get("quant_method", "an unknown method")
+        raise UserError(f"{ckpt.path} is quantized ({method}); tuneport merges and exports unquantized checkpoints",
+                        "pass the original (unquantized) base model")
+
+
+def known_architecture(ckpt: Checkpoint) -> None:
+    arch_for(ckpt.model_type)
+
+
+def gguf_architecture(ckpt: Checkpoint) -> None:
+    from .gguf.model import gguf_arch_for
+
+    gguf_arch_for(arch_for(ckpt.model_type))
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    summary: str
+    modes: tuple[str, ...]  # --adapters values it writes
+    options: tuple[str, ...]  # fields of TARGET_OPTIONS it honours
+    writer: str  # "module:function" under tuneport.convert, called as writer(options, progress)
+    checks: tuple[Callable[[Checkpoint], None], ...] = (unquantized,)  # what the base must be (raise UserError)
+    instead: tuple[tuple[str, str], ...] = ()  # (option it does not honour, what to use instead)
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("safetensors", "one merged Hugging Face directory (every engine loads it)", ("merge",), ("dtype",),
+           "export_hf:export_safetensors"),
+    Target("vllm", "merged model, or the base plus vLLM-ready adapter directories and their launch command",
+           ("merge", "separate"), ("dtype", "max_lora_rank"), "export_vllm:export_vllm",
+           checks=(unquantized, known_architecture)),
+    Target("gguf", "llama.cpp / Ollama: a model per --quant type, GGUF LoRAs with --adapters separate, Modelfiles",
+           ("merge", "separate"), ("quant", "bpe_pre", "name"), "gguf.export:export_gguf",
+           checks=(unquantized, gguf_architecture),
+           instead=(("dtype", "choose the GGUF type with --quant (f32, bf16, f16, q8_0, ...)"),)),
+)}
+
+
+def target_for(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise UserError(f"unknown --target {name!r}", f"use one of {', '.join(TARGETS)}") from None
+
+
+def check_base(ckpt: Checkpoint, target: str) -> None:
+    """Raise the first reason ``target`` cannot be exported from ``ckpt`` (exporters and ``inspect`` ask this)."""
+    for check in TARGETS[target].checks if target in TARGETS else (unquantized,):
+        check(ckpt)
+
+
+def base_refusal(ckpt: Checkpoint, target: str) -> str | None:
+    """Why ``tuneport export --target TARGET`` would refuse this base, or None when it would run."""
+    try:
+        check_base(ckpt, target)
+    except UserError as e:
+        return e.line()
+    return None
+
+
+def check_target_options(opts: ExportOptions) -> None:
+    """Refuse options the target does not honour (never ignore them) and adapter modes it cannot write."""
+    target = target_for(opts.target)
+    for key, (flag, unset) in TARGET_OPTIONS.items():
+        if key not in target.options and getattr(opts, key) != unset:
+            users = [t.name for t in TARGETS.values() if key in t.options]
+            hint = dict(target.instead).get(key) or f"drop it ({flag} is for --target {', '.join(users)})"
+            raise UserError(f"{flag} does not apply to --target {target.name}", hint)
+    if opts.adapter_mode not in target.modes:
+        others = [t.name for t in TARGETS.values() if opts.adapter_mode in t.modes]
+        raise UserError(f"--target {target.name} writes --adapters {' or '.join(target.modes)} only",
+                        f"use --adapters {target.modes[0]}, or --target {' or '.join(others)}")
+
+
+def export(options: ExportOptions | None = None, /, *, progress: Progress | None = None,
+           **fields) -> ExportResult:
+    """``tuneport export``: an artifact for one engine, written atomically (``target``: see ``TARGETS``).
+
+    Pass an :class:`ExportOptions` or its fields as keywords (``base``, ``target``, ``out``, ``adapters``,
+    ``adapter_mode``, ``quant``, ``dtype``, ``max_lora_rank``, ``bpe_pre``, ``name``, ``force``,
+    ``allow_pickle``); ``progress(done_bytes, total_bytes, item)`` is called as the output is written.
+    """
+    opts = coerce_options(ExportOptions, options, fields)
+    module, func = target_for(opts.target).writer.split(":")
+    writer = getattr(importlib.import_module(f"{__package__}.{module}"), func)
+    return writer(opts, progress)
+
+
+def merge(options: MergeOptions | None = None, /, *, progress: Progress | None = None,
+          **fields) -> ExportResult:
+    """``tuneport merge``: fold adapters into the base and write one HF directory with manifest.json.
+
+    Pass a :class:`MergeOptions` or its fields as keywords (``base``, ``adapters``, ``out``, ``dtype``,
+    ``force``, ``allow_pickle``, ``max_shard_bytes``).
+    """
+    from .export_hf import merge_to_dir
+
+    return merge_to_dir(coerce_options(MergeOptions, options, fields), "merge", progress)

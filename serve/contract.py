@@ -1,0 +1,134 @@
+"""The one contract between the gateway and an engine.
+
+A :class:`Backend` answers OpenAI requests (``generate`` and ``stream``, for completions and chat), loads
+and unloads adapters through its :class:`~tuneport.serve.pool.AdapterPool`, and reports ``health`` and
+``describe``. The gateway depends on this class alone; each engine is one subclass, registered in
+:mod:`tuneport.serve.registry`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from starlette.concurrency import run_in_threadpool
+
+from .http import ApiError
+from .metrics import Metrics
+from .pool import AdapterPool, check_name
+
+Kind = Literal["completions", "chat"]  # /v1/completions or /v1/chat/completions
+
+
+@dataclass
+class Usage:
+    """Token counts of one request, filled in by the backend as it answers (streams included)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Backend(ABC):
+    """An engine behind the gateway: one served base model plus a pool of adapters.
+
+    Subclasses implement ``generate``, ``stream``, ``attach_adapter``/``detach_adapter`` (what loading
+    means for the engine; the pool calls them), ``health``, ``close`` and ``from_options``.
+    """
+
+    engine: ClassVar[str]  # the registry name
+    weighted_mixes: ClassVar[bool] = False  # whether a request may mix adapters ({"adapters": {name: weight}})
+
+    def __init__(self, name: str, max_adapters: int, adapter_dir: Path | None = None) -> None:
+        self.name = name
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.pool = AdapterPool(self.attach_adapter, self.detach_adapter, max_adapters, adapter_dir)
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, opts, dry_run: bool = False) -> Backend:
+        """Start the engine for ``opts`` (a :class:`tuneport.serve.options.ServeOptions`) with its start-up
+        adapters loaded."""
+
+    # -- answering ----------------------------------------------------------------------------------
+    @abstractmethod
+    async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
+        """The whole OpenAI response for ``body``; ``usage`` is filled in."""
+
+    @abstractmethod
+    def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
+        """An async generator of server-sent events for ``body``. Every check and every resource it takes
+        happens inside it, before its first event: the gateway pulls that event before it answers, so a
+        refusal becomes an HTTP error, and a started generator is always closed (adapters released)."""
+
+    # -- adapters -----------------------------------------------------------------------------------
+    @abstractmethod
+    def attach_adapter(self, name: str, path: Path) -> int:
+        """Make ``path`` usable as ``name`` in the engine; return the bytes it occupies (the pool's load)."""
+
+    @abstractmethod
+    def detach_adapter(self, name: str) -> None:
+        """Free ``name`` in the engine (the pool's unload)."""
+
+    def load_adapter(self, name: str, path: str | Path, pinned: bool = False) -> dict:
+        """Load through the pool (capacity, LRU, allowed roots); the adapter's state."""
+        return self.pool.add(name, path, pinned=pinned).state()
+
+    def unload_adapter(self, name: str) -> None:
+        self.pool.remove(name)
+
+    def adapters_for(self, body: dict) -> dict[str, float]:
+        """OpenAI ``model`` picks the adapter (the base by its own name); ``adapters`` mixes several."""
+        mix = body.get("adapters")
+        if mix:
+            if not self.weighted_mixes:
+                raise ApiError(f"weighted adapter mixes ('adapters') are not served by the {self.engine} engine",
+                               "pick one adapter with model=NAME, or serve with --engine llamacpp")
+            if not isinstance(mix, dict):
+                raise ApiError("'adapters' must be an object {name: weight}")
+            return {check_name(k): float(v) for k, v in mix.items()}
+        model = body.get("model")
+        if model in ("", None, self.name):
+            return {}
+        if not isinstance(model, str):
+            raise ApiError("'model' must be a string")
+        return {check_name(model): 1.0}
+
+    async def hold(self, names) -> contextlib.ExitStack:
+        """Take a pool reference on each adapter (loading it on demand in a worker thread); closing the
+        returned stack releases them. No adapter held can be evicted or unloaded meanwhile."""
+        stack = contextlib.ExitStack()
+        try:
+            for name in names:
+                entry = self.pool.try_hold(name)  # the common case: loaded, no thread hop
+                if entry is not None:
+                    stack.callback(self.pool.release, entry)
+                else:
+                    await run_in_threadpool(stack.enter_context, self.pool.use(name))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    # -- state --------------------------------------------------------------------------------------
+    @abstractmethod
+    def health(self) -> bool:
+        """Whether the engine can answer."""
+
+    def describe(self) -> dict:
+        """What is served: engine, base model, adapters."""
+        return {"engine": self.engine, "model": self.name, "adapters": self.pool.names(),
+                "max_adapters": self.pool.max_adapters, "weighted_mixes": self.weighted_mixes}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine and free everything it holds."""

@@ -1,0 +1,11 @@
+"""The OpenAI-compatible gateway (FastAPI) over one :class:`~tuneport.serve.contract.Backend`.
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (OpenAI); ``/v1/adapters`` (admin);
+``/health``, ``/metrics`` (operations). With an API key every route needs ``Authorization: Bearer <key>``;
+adapter paths must lie inside ``--adapter-dir`` or the start-up paths; adapter names match
+``[A-Za-z0-9._-]{1,64}``; bodies are size-limited; every request gets one access-log line.
+"""
+
+from .app import MAX_BODY_BYTES, create_app
+
+__all__ = ["MAX_BODY_BYTES", "create_app"]

@@ -1,0 +1,35 @@
+"""The gateway app: middleware, error handling and the three routers over one backend."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from tuneport.convert.errors import UserError
+
+from ..contract import Backend
+from ..http import ApiError, error_response
+from .admin_routes import admin_router
+from .middleware import AccessLog, Guard
+from .openai_routes import openai_router
+from .ops_routes import ops_router
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    """The gateway over ``backend``; it uses nothing of the engine but the :class:`Backend` contract."""
+    app = FastAPI(title="tuneport gateway")
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(AccessLog, metrics=backend.metrics)  # outermost: refusals by Guard are logged too
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError):
+        return error_response(e.status, e.line(), e.kind)
+
+    @app.exception_handler(UserError)
+    async def user_error(_: Request, e: UserError):
+        return error_response(400, e.line())
+
+    for router in (openai_router(backend), admin_router(backend), ops_router(backend)):
+        app.include_router(router)
+    return app

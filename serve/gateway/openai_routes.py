@@ -1,0 +1,54 @@
+"""The OpenAI routes: models, completions and chat completions (streamed as server-sent events)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..contract import Backend, Kind
+from .middleware import AccessRecord
+
+
+def openai_router(backend: Backend) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models():
+        base = {"object": "model", "created": backend.created, "owned_by": "tuneport"}
+        data = [{"id": backend.name, **base}]
+        data += [{"id": n, **base, "parent": backend.name} for n in backend.pool.names()]
+        return {"object": "list", "data": data}
+
+    @router.post("/v1/completions")
+    async def completions(request: Request, body: dict):
+        return await answer(backend, request, "completions", body)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: dict):
+        return await answer(backend, request, "chat", body)
+
+    return router
+
+
+async def answer(backend: Backend, request: Request, kind: Kind, body: dict):
+    record: AccessRecord = getattr(request.state, "access", None) or AccessRecord()
+    record.model, record.generation = str(body.get("model") or backend.name), True
+    if not body.get("stream"):
+        return JSONResponse(await backend.generate(kind, body, record.usage))
+    events = backend.stream(kind, body, record.usage)
+    try:
+        first = await anext(events)  # a refusal (unknown adapter, bad request, engine error) is an HTTP error
+    except StopAsyncIteration:
+        first = b""
+    return StreamingResponse(_then(first, events), media_type="text/event-stream")
+
+
+async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()  # releases the adapters the stream holds, also when the client went away

@@ -1,0 +1,249 @@
+"""The llama.cpp backend: tokens generated in this process by :class:`LlamaCppEngine`, answers built here.
+
+``--base`` may be a GGUF file or an HF directory (converted once to GGUF and cached); adapters may be GGUF
+LoRA files or PEFT directories (converted on load for an HF base, cached by content hash).
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from starlette.concurrency import run_in_threadpool
+
+from tuneport.convert.adapter import load_adapter, resolve_adapter_path
+from tuneport.convert.arch import arch_for
+from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
+from tuneport.convert.errors import UserError
+from tuneport.convert.export import export
+from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
+from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.options import ExportOptions
+
+from .contract import Backend, Kind, Usage
+from .engines.llamacpp import GenerationRequest, LlamaCppEngine
+from .http import SSE_DONE, ApiError, sse
+from .pool import PoolError
+
+# --dtype for an HF base: the GGUF type it is converted to (auto: F16, as llama.cpp's own converter does)
+GGUF_FOR_DTYPE = {"auto": "f16", "fp16": "f16", "bf16": "bf16", "fp32": "f32"}
+
+
+class LlamaCppBackend(Backend):
+    engine = "llamacpp"
+    weighted_mixes = True
+
+    def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
+                 n_ctx: int = 2048, workers: int = 2, kv_f32: bool = False, dtype: str = "auto") -> None:
+        base = resolve_model_path(base)
+        self.hf_base: Path | None = None
+        if base.is_dir():
+            self.hf_base = base
+            model_path = self._cached_gguf(base, GGUF_FOR_DTYPE[dtype])
+        elif base.suffix == ".gguf" and base.is_file():
+            if dtype != "auto":
+                raise UserError(f"--dtype {dtype} applies to an HF base (the GGUF it is converted to)",
+                                "drop --dtype: a GGUF file is served with its own types")
+            model_path = base
+        else:
+            raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
+        self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_workers=workers, kv_f32=kv_f32)
+        super().__init__(base.stem if base.is_file() else base.name, max_adapters, adapter_dir)
+        self.chat_template = self.llama.metadata("tokenizer.chat_template")
+        self.add_bos = (self.llama.metadata("tokenizer.ggml.add_bos_token") or "true") == "true"
+
+    @classmethod
+    def from_options(cls, opts) -> LlamaCppBackend:
+        startup = opts.startup_adapters(must_fit=opts.pin)
+        backend = cls(opts.base, max_adapters=opts.max_adapters, adapter_dir=opts.adapter_dir, n_ctx=opts.n_ctx,
+                      workers=opts.workers, kv_f32=opts.kv_f32, dtype=opts.dtype)
+        try:
+            for name, path in startup.items():
+                backend.pool.add(name, resolve_adapter_path(path), pinned=opts.pin, trusted=True)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    @staticmethod
+    def _cached_gguf(hf_dir: Path, quant: str) -> Path:
+        """The HF base as GGUF, converted once and cached by content (config, tokenizer, weight stats)."""
+        ck = Checkpoint(hf_dir)
+        h = hashlib.sha256(quant.encode())
+        for f in [hf_dir / "config.json", *ck.side_files()]:
+            h.update(f.name.encode() + f.read_bytes())
+        for f in ck.weight_files:
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+        out = cache_dir() / "gguf" / h.hexdigest()[:24]
+        if not out.exists():
+            export(ExportOptions(base=hf_dir, target="gguf", out=out, quant=quant, name="model"))
+        return out / f"model-{quant.upper()}.gguf"
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def attach_adapter(self, name: str, path: Path) -> int:
+        if path.is_dir() and (path / "adapter_config.json").exists():
+            path = self._convert_peft(path)
+        elif path.is_dir():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise PoolError(f"{path} holds no single GGUF LoRA", "pass a .gguf file or a PEFT directory",
+                                status=422)
+            path = ggufs[0]
+        try:
+            return self.llama.load_adapter(name, path)
+        except UserError as e:
+            raise PoolError(e.message, e.hint, status=422) from e
+
+    def detach_adapter(self, name: str) -> None:
+        self.llama.unload_adapter(name)
+
+    def _convert_peft(self, adapter_dir: Path) -> Path:
+        if self.hf_base is None:
+            raise PoolError(f"{adapter_dir} is a PEFT adapter; converting it needs the HF base",
+                            "start with --base HF_DIR, or export GGUF LoRAs with tuneport export --target gguf",
+                            status=422)
+        out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}.gguf"
+        if not out.exists():
+            try:
+                ck = Checkpoint(self.hf_base)
+                arch = arch_for(ck.model_type)
+                lora = build_gguf_lora(load_adapter(adapter_dir), ck, arch)
+            except UserError as e:
+                raise PoolError(e.message, e.hint, status=422) from e
+            write_once(out, lambda tmp: write_gguf_lora(tmp, lora, arch, adapter_dir.name))
+        return out
+
+    # -- requests ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.llama.tokenize(text, self.add_bos if add_bos is None else add_bos, special=True)
+
+    @functools.cached_property
+    def _chat_formatter(self):
+        """The GGUF's chat template compiled once (Jinja2), with the model's bos/eos text."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        bos, eos = self.llama.special_token("bos"), self.llama.special_token("eos")
+        return Jinja2ChatFormatter(self.chat_template,
+                                   eos_token=self.llama.piece_text(eos) if eos is not None else "",
+                                   bos_token=self.llama.piece_text(bos) if bos is not None else "")
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        if not self.chat_template:
+            raise ApiError("the model has no chat template", "use /v1/completions")
+        res = self._chat_formatter(messages=messages)
+        return self.llama.tokenize(res.prompt, not res.added_special, special=True)
+
+    def prompt_tokens(self, kind: Kind, body: dict) -> list[int]:
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError("messages must be a non-empty list")
+            return self.render_chat(messages)
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        raise ApiError("prompt must be a string or a list of token ids")
+
+    def _text(self, req: GenerationRequest, stops: list[str], token_ids: list[int] | None, usage: Usage
+              ) -> Iterator[tuple[str, str | None]]:
+        """(text delta, finish reason or None), cut at the first stop string; runs in a worker thread."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text, sent, stopped = "", 0, False
+        hold = max((len(s) - 1 for s in stops if s), default=0)  # a stop string may still be forming
+        for tok in self.llama.generate(req):
+            usage.completion_tokens += 1
+            if token_ids is not None:
+                token_ids.append(tok)
+            seen = max(0, len(text) - hold)  # no stop string ends before here: earlier text was searched
+            text += decoder.decode(self.llama.piece(tok))
+            hit = next((at for s in stops if s and (at := text.find(s, seen)) >= 0), -1)
+            if hit >= 0:
+                text, stopped = text[:hit], True
+                break
+            if len(text) - hold > sent:
+                yield text[sent: len(text) - hold], None
+                sent = len(text) - hold
+        finish = "length" if not stopped and usage.completion_tokens >= req.max_tokens else "stop"
+        yield text[sent:], finish
+
+    def _start(self, kind: Kind, body: dict, usage: Usage) -> tuple[GenerationRequest, dict[str, float], list]:
+        """Parse the request: the engine request, the adapters it needs, its stop strings."""
+        adapters = self.adapters_for(body)
+        prompt = self.prompt_tokens(kind, body)
+        usage.prompt_tokens = len(prompt)
+        temperature = body.get("temperature")
+        req = GenerationRequest(
+            prompt_tokens=prompt, adapters=adapters, max_tokens=int(body.get("max_tokens") or 16),
+            temperature=1.0 if temperature is None else float(temperature), top_p=float(body.get("top_p") or 1.0),
+            seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos", False)))
+        stops = body.get("stop") or []
+        return req, adapters, [stops] if isinstance(stops, str) else list(stops)
+
+    async def _pieces(self, req: GenerationRequest, stops: list[str], usage: Usage,
+                      token_ids: list[int] | None = None) -> AsyncIterator[tuple[str, str | None]]:
+        """The text deltas of ``req``, each produced in a worker thread; stopping early cancels the request."""
+        it = self._text(req, stops, token_ids, usage)
+        try:
+            while (item := await run_in_threadpool(next, it, None)) is not None:
+                yield item
+        finally:
+            it.close()  # the engine drops the sequence at its next step
+
+    async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
+        req, adapters, stops = self._start(kind, body, usage)
+        ids: list[int] = []
+        text, finish = "", None
+        with await self.hold(adapters):
+            async for delta, fin in self._pieces(req, stops, usage, ids):
+                text += delta
+                finish = fin or finish
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if body.get("return_token_ids"):  # extension: the generated token ids
+            choice["token_ids"] = ids
+        return {"id": _response_id(kind), "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": body.get("model") or self.name, "choices": [choice],
+                "usage": usage.as_dict()}
+
+    async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
+        req, adapters, stops = self._start(kind, body, usage)
+        head = {"id": _response_id(kind), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": body.get("model") or self.name}
+        first = True
+        with await self.hold(adapters):
+            async for delta, finish in self._pieces(req, stops, usage):
+                if kind == "chat":
+                    d = {"role": "assistant", "content": delta} if first else {"content": delta}
+                    choice = {"index": 0, "delta": d, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": delta, "finish_reason": finish}
+                first = False
+                yield sse({**head, "choices": [choice]})
+        yield SSE_DONE
+
+    # -- state ---------------------------------------------------------------------------------------
+    def health(self) -> bool:
+        return self.llama.model is not None
+
+    def describe(self) -> dict:
+        return {**super().describe(), "gguf": str(self.llama.model_path), "n_ctx": self.llama.n_ctx,
+                "workers": self.llama.n_workers}
+
+    def close(self) -> None:
+        self.llama.close()
+
+
+def _response_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"

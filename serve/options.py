@@ -1,0 +1,100 @@
+"""``tuneport serve``'s options: one model for the CLI and the Python API (``tuneport.serve``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tuneport.convert.errors import UserError
+from tuneport.convert.options import DTYPES, check_choice
+
+from .pool import check_name
+from .registry import ENGINES
+
+BASE_GUARD = ("auto", "on", "off")
+
+
+def parse_named(specs: list[str] | dict[str, str | Path]) -> dict[str, str]:
+    """``NAME=PATH`` specs (or a ``{name: path}`` dict) as ``{name: path}``; a bare PATH is named after
+    its file stem (``.gguf``) or directory. PATH may be a hub id."""
+    if isinstance(specs, dict):
+        pairs = [(str(k), str(v)) for k, v in specs.items()]
+    else:
+        pairs = []
+        for spec in specs:
+            name, sep, path = str(spec).partition("=")
+            if not sep:
+                path, name = spec, Path(spec).stem if str(spec).endswith(".gguf") else Path(spec).name
+            pairs.append((name, path))
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if check_name(name) in out:
+            raise UserError(f"two adapters are named {name!r}", "give each --adapter its own NAME=")
+        out[name] = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+    return out
+
+
+@dataclass(kw_only=True)
+class ServeOptions:
+    """Everything ``tuneport serve`` takes. Engine-specific options are refused by the other engine."""
+
+    base: str | Path  # GGUF file, HF model directory or hub id
+    adapters: dict[str, str] | list[str] = field(default_factory=dict)  # name -> PEFT dir / GGUF LoRA / hub id
+    adapter_dir: Path | None = None  # adapters loaded on demand as DIR/<name>
+    engine: str = "auto"
+    max_adapters: int = 8
+    pin: bool = True  # start-up adapters are never evicted
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the Python API's Server.url tells which)
+    api_key_file: Path | None = None
+    concurrency: int = 8  # expected simultaneous requests: engine choice and memory plan
+    dtype: str = "auto"  # vLLM: model dtype; llama.cpp with an HF base: the GGUF it converts to
+    # llama.cpp
+    n_ctx: int = 2048
+    workers: int = 2
+    kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
+    # vLLM
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_lora_rank: int | None = None  # None: the largest adapter rank, rounded up to vLLM's set
+    max_loras: int | None = None  # adapters in one batch; None: max_adapters
+    engine_port: int | None = None  # vLLM's own port on 127.0.0.1; None: port + 1
+    vllm_base_guard: str = "auto"  # base traffic as a zero adapter where vLLM's CPU bug applies
+    log_file: Path | None = None  # vLLM's log; None: in the cache
+    vllm_args: list[str] = field(default_factory=list)  # passed to vLLM as they are
+    # --dry-run only
+    replicas: int = 1
+    gpus_per_replica: int = 1
+
+    def __post_init__(self) -> None:
+        self.base = str(self.base)
+        self.adapters = parse_named(self.adapters)
+        self.adapter_dir = Path(self.adapter_dir).expanduser() if self.adapter_dir else None
+        self.api_key_file = Path(self.api_key_file) if self.api_key_file else None
+        self.log_file = Path(self.log_file) if self.log_file else None
+        self.vllm_args = list(self.vllm_args)
+        check_choice("--engine", self.engine, ("auto", *ENGINES))
+        check_choice("--dtype", self.dtype, DTYPES)
+        check_choice("--vllm-base-guard", self.vllm_base_guard, BASE_GUARD)
+        if self.max_adapters < 1:
+            raise UserError("--max-adapters must be at least 1", "")
+
+    def startup_adapters(self, must_fit: bool) -> dict[str, str]:
+        """The start-up adapters; refused when they must all stay loaded but exceed the pool."""
+        if must_fit and len(self.adapters) > self.max_adapters:
+            raise UserError(f"{len(self.adapters)} start-up adapters exceed --max-adapters {self.max_adapters}",
+                            "raise --max-adapters (or pass --no-pin on the llama.cpp engine)")
+        return dict(self.adapters)
+
+    def read_api_key(self) -> str | None:
+        if self.api_key_file is None:
+            return None
+        try:
+            key = self.api_key_file.read_text().strip()
+        except OSError as e:
+            raise UserError(f"cannot read --api-key-file {self.api_key_file} ({e.strerror})",
+                            "pass a readable file") from e
+        if not key:
+            raise UserError(f"--api-key-file {self.api_key_file} is empty", "write the key into it")
+        return key

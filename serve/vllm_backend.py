@@ -1,0 +1,259 @@
+"""The vLLM backend: a vLLM child process, the adapter pool over its runtime LoRA API, and OpenAI requests
+forwarded to it (the adapter held in the pool for the whole answer).
+
+Every adapter passes tuneport's vLLM preflight before vLLM sees it (start-up ones too); adapters that
+need a lossless fix (a regex ``target_modules``, ``fan_in_fan_out``, pickle weights, saved base layers
+identical to the base) are rewritten once into the cache and vLLM gets the rewritten copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from tuneport.convert.adapter import load_adapter, resolve_adapter_path
+from tuneport.convert.arch import arch_for
+from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
+from tuneport.convert.errors import UserError
+from tuneport.convert.export_vllm import VLLM_DTYPES, write_vllm_adapter
+from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.merge import WeightedAdapter, plan_merge
+from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
+
+from .contract import Backend, Kind, Usage
+from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
+from .http import ApiError, error_message
+from .pool import PoolError, check_name
+from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
+
+DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def config_rank(adapter_dir: Path) -> int:
+    """The largest rank an adapter declares (``r`` and ``rank_pattern``), 0 when unreadable."""
+    try:
+        cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+        return max([int(cfg.get("r") or 0), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+class VllmPlan:
+    """The launch decided from the options: checked adapters, rank, slots, the bug guard. With
+    ``write=False`` (a dry run) nothing is written: fixed adapter copies and the guard adapter are only named."""
+
+    def __init__(self, opts, write: bool = True) -> None:
+        self.opts, self.write = opts, write
+        base = resolve_model_path(opts.base)
+        if base.suffix == ".gguf":
+            raise UserError(f"--engine vllm serves Hugging Face safetensors models, not GGUF ({opts.base})",
+                            "use --engine llamacpp for a GGUF base, or pass the HF model directory")
+        self.ckpt = Checkpoint(base)
+        self.arch = arch_for(self.ckpt.model_type)
+        self.name = Path(str(opts.base)).name
+        self.bugs = bugs_that_apply()
+        self.guard = opts.vllm_base_guard == "on" or (opts.vllm_base_guard == "auto" and bool(self.bugs))
+        startup = {name: resolve_adapter_path(path) for name, path in opts.startup_adapters(must_fit=True).items()}
+        self.max_lora_rank = self._max_lora_rank(startup)
+        self.startup = {name: self.prepare(name, path) for name, path in startup.items()}
+        extra = int(self.guard)
+        slots = min(opts.max_loras or opts.max_adapters, opts.max_adapters)
+        modules = dict(self.startup)
+        if self.guard:
+            modules[GUARD_ADAPTER] = zero_adapter(self.ckpt, self.arch, write=write)
+        self.launch = VllmLaunch(
+            model=str(self.ckpt.path), served_name=self.name, max_lora_rank=self.max_lora_rank,
+            adapter_slots=slots + extra, registered=opts.max_adapters + extra,
+            lora_modules={n: str(p) for n, p in modules.items()}, dtype=VLLM_DTYPES.get(opts.dtype),
+            max_model_len=opts.max_model_len, tensor_parallel_size=opts.tensor_parallel_size,
+            pipeline_parallel_size=opts.pipeline_parallel_size, extra_args=check_extra_args(opts.vllm_args),
+            port=opts.engine_port or (opts.port + 1 if opts.port else 0))
+
+    def _max_lora_rank(self, startup: dict[str, Path]) -> int:
+        """``--max-lora-rank``: as given, else the largest rank among the start-up adapters and those in
+        ``--adapter-dir`` (these only when vLLM can hold them), rounded up to vLLM's set."""
+        opts = self.opts
+        if opts.max_lora_rank is not None:
+            if opts.max_lora_rank not in VLLM_MAX_LORA_RANKS:
+                raise UserError(f"--max-lora-rank {opts.max_lora_rank} is not one vLLM accepts",
+                                f"use one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+            return opts.max_lora_rank
+        ranks = [config_rank(p) for p in startup.values()]
+        for name, path in startup.items():
+            if config_rank(path) > VLLM_MAX_LORA_RANKS[-1]:
+                raise UserError(f"adapter {name} has rank {config_rank(path)}, above vLLM's largest "
+                                f"--max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}",
+                                "merge it (tuneport export --target vllm --adapters merge) or serve it with "
+                                "--engine llamacpp")
+        if opts.adapter_dir and opts.adapter_dir.is_dir():
+            ranks += [r for p in opts.adapter_dir.iterdir() if (p / "adapter_config.json").exists()
+                      and (r := config_rank(p)) <= VLLM_MAX_LORA_RANKS[-1]]
+        top = max(ranks, default=0)
+        return round_lora_rank(top) if top > DEFAULT_LORA_RANK else DEFAULT_LORA_RANK
+
+    def prepare(self, name: str, path: Path) -> Path:
+        """Preflight ``path`` for this base; the directory vLLM should load (a fixed copy when needed)."""
+        check_name(name)
+        if name in (GUARD_ADAPTER, self.name):
+            raise PoolError(f"adapter name {name!r} is reserved", "pick another name", status=400)
+        try:
+            adapter = load_adapter(path, name)
+            plan_merge(self.ckpt, [WeightedAdapter(adapter)])  # fits this base (names, shapes)
+        except PoolError:
+            raise
+        except UserError as e:
+            raise PoolError(e.message, e.hint, status=422) from e
+        pf = preflight(adapter, self.arch, self.ckpt, self.max_lora_rank)
+        if not pf.ok:
+            raise PoolError(f"adapter {name} cannot be served by vLLM: " + "; ".join(pf.problems), "", status=422)
+        if not pf.fixes:
+            return Path(path).resolve()
+        fixed = cache_dir() / "vllm-adapters" / content_digest(Path(path))
+        return write_once(fixed, lambda tmp: write_vllm_adapter(adapter, pf, tmp)) if self.write else fixed
+
+
+class VllmBackend(Backend):
+    engine = "vllm"
+
+    def __init__(self, plan: VllmPlan, log_path: Path | None = None, start_timeout_s: float = 900.0,
+                 env: dict[str, str] | None = None) -> None:
+        opts = plan.opts
+        super().__init__(plan.name, opts.max_adapters, opts.adapter_dir)
+        self.plan, self.guard = plan, plan.guard
+        log_path = log_path or cache_dir() / "logs" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{plan.launch.port}.log"
+        self.process = VllmProcess(plan.launch, log_path, env)
+        try:
+            self.process.wait_healthy(start_timeout_s)
+        except BaseException:
+            self.process.stop()
+            raise
+        self.url = self.process.url
+        self.admin = VllmAdapters(self.url)
+        for name, path in plan.startup.items():
+            self.pool.register(name, path, pinned=opts.pin, nbytes=_size(path))
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_options(cls, opts) -> VllmBackend:
+        return cls(VllmPlan(opts), log_path=opts.log_file)
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def attach_adapter(self, name: str, path: Path) -> int:
+        ready = self.plan.prepare(name, path)
+        try:
+            self.admin.load(name, ready)
+        except VllmRefused as e:
+            status = e.status if 400 <= e.status < 500 and e.status != 404 else 422
+            raise PoolError(f"vLLM refused adapter {name!r}: {e.message}", "", status=status) from e
+        return _size(ready)
+
+    def detach_adapter(self, name: str) -> None:
+        self.admin.unload(name)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def upstream_model(self, model: str) -> str:
+        """The vLLM model a request for ``model`` goes to (base traffic through the zero adapter)."""
+        if model == self.name:
+            return GUARD_ADAPTER if self.guard else self.name
+        return model
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """An async client to vLLM, made in the event loop that uses it."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            # below uvicorn's 5 s keep-alive timeout on the vLLM side: never reuse a connection it is closing
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
+            self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10),
+                                             limits=limits)
+            self._client_loop = loop
+        return self._client
+
+    def _route(self, body: dict) -> tuple[str, list[str], dict]:
+        """The model name the client asked for, the adapters to hold, and the body vLLM gets."""
+        adapters = self.adapters_for(body)  # refuses weighted mixes
+        model = body.get("model") or self.name
+        return model, list(adapters), {**body, "model": self.upstream_model(model)}
+
+    async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
+        model, adapters, sent = self._route(body)
+        with await self.hold(adapters):
+            r = await self._post(kind, sent)
+        if r.status_code != 200:
+            raise _upstream_error(r)
+        data = r.json()
+        data["model"] = model  # vLLM names the model it ran (the guard adapter for base traffic)
+        u = data.get("usage") or {}
+        usage.prompt_tokens, usage.completion_tokens = int(u.get("prompt_tokens") or 0), int(
+            u.get("completion_tokens") or 0)
+        return data
+
+    async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
+        model, adapters, sent = self._route(body)
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        target = sent["model"]
+        old, new = f'"model":{json.dumps(target)}', f'"model":{json.dumps(model)}'
+        with await self.hold(adapters):
+            try:
+                r = await self.client.send(self.client.build_request("POST", PATHS[kind], json=sent), stream=True)
+            except httpx.HTTPError as e:
+                raise _unreachable(e) from e
+            try:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise _upstream_error(r)
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage") and not chunk.get("choices"):  # the final usage chunk
+                            usage.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
+                            usage.completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                            if not wants_usage:
+                                continue
+                    if target != model and line.startswith("data: "):
+                        line = line.replace(old, new, 1)
+                    yield (line + "\n").encode()
+            finally:
+                await r.aclose()
+
+    async def _post(self, kind: Kind, body: dict) -> httpx.Response:
+        try:
+            return await self.client.post(PATHS[kind], json=body)
+        except httpx.HTTPError as e:
+            raise _unreachable(e) from e
+
+    # -- state ---------------------------------------------------------------------------------------
+    def health(self) -> bool:
+        return self.process.alive()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "vllm_url": self.url, "base_guard": self.guard,
+                "max_lora_rank": self.plan.max_lora_rank, "command": self.plan.launch.command()}
+
+    def close(self) -> None:
+        self.admin.close()
+        self.process.stop()
+        client, loop = self._client, self._client_loop
+        if client is not None and loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+
+
+def _upstream_error(r: httpx.Response) -> ApiError:
+    """vLLM's error with its message; its 5xx become 502 (the gateway itself is fine)."""
+    return ApiError(f"vLLM: {error_message(r)}", status=r.status_code if r.status_code < 500 else 502)
+
+
+def _unreachable(e: Exception) -> ApiError:
+    return ApiError(f"vLLM is not reachable ({type(e).__name__}); see the server log", status=502)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
