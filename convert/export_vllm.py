@@ -67,7 +67,7 @@ def write_vllm_adapter(adapter: Adapter, pf: Preflight, out: Path) -> None:
     save_file(vllm_adapter_tensors(adapter, pf), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def launch_args(model_dir: str, served_name: str, adapters: dict[str, str], max_rank: int,
+def launch_args(model_dir: str, served_name: str, *, adapters: dict[str, str], max_rank: int,
                 dtype: str | None) -> list[str]:
     args = ["--model", model_dir, "--served-model-name", served_name]
     if dtype:
@@ -122,7 +122,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         plan = plan_merge(ckpt, loaded, opts.dtype)
         with atomic_dir(opts.out, force=opts.force) as tmp:
             hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
-            write_launch(tmp, launch_args(".", served, {}, 0, vllm_dtype))
+            write_launch(tmp, launch_args(".", served, adapters={}, max_rank=0, dtype=vllm_dtype))
             manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                       {"adapters": "merge", "dtype": opts.dtype, "notes": plan.notes},
                                       known_hashes={tmp / p.name: h for p, h in hashes.items()})
@@ -150,7 +150,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         for w, pf in zip(loaded, results, strict=True):
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
             paths[w.adapter.name] = f"adapters/{w.adapter.name}"
-        write_launch(tmp, launch_args("base", served, paths, max_rank, vllm_dtype))
+        write_launch(tmp, launch_args("base", served, adapters=paths, max_rank=max_rank, dtype=vllm_dtype))
         fixes = {pf.adapter: pf.fixes for pf in results}
         manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                   {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype},

@@ -81,7 +81,8 @@ def cache_dir() -> Path:
 class HashCache:
     """sha256 of input files, remembered by (path, size, mtime): merging many adapters into one base
     hashes the base once. The file is read once per process (see :func:`hash_cache`); each new digest
-    is written through at once. Set TUNEPORT_CACHE_DIR to move it; delete the file to forget."""
+    is written through at once (two processes writing at the same time may drop each other's new entries:
+    they are hashed again next time). Set TUNEPORT_CACHE_DIR to move it; delete the file to forget."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -121,14 +122,16 @@ class HashCache:
 
 
 _HASH_CACHES: dict[Path, HashCache] = {}
+_HASH_CACHES_LOCK = threading.Lock()
 
 
 def hash_cache() -> HashCache:
     """The process's hash cache for the current cache directory."""
     path = cache_dir() / "sha256.json"
-    if path not in _HASH_CACHES:
-        _HASH_CACHES[path] = HashCache(path)
-    return _HASH_CACHES[path]
+    with _HASH_CACHES_LOCK:
+        if path not in _HASH_CACHES:
+            _HASH_CACHES[path] = HashCache(path)
+        return _HASH_CACHES[path]
 
 
 def fsync_dir(path: Path) -> None:

@@ -42,6 +42,7 @@ def write_manifest(
     target: str,
     inputs: list[dict],
     options: dict,
+    *,
     known_hashes: dict[Path, str] | None = None,
     fidelity: dict | None = None,
     extra: dict | None = None,

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 
 from starlette.concurrency import run_in_threadpool
 
-from .http import ApiError
+from .errors import ApiError
 from .metrics import Metrics
 from .pool import AdapterPool, check_name
 
@@ -37,6 +37,19 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
+def number(body: dict, key: str, default: float, kind: type = float) -> float:
+    """``body[key]`` as a number (``default`` when absent or null); a bad value is the client's error (400)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ApiError(f"'{key}' must be a number, not {value!r}") from None
+
+
 class Backend(ABC):
     """An engine behind the gateway: one served base model plus a pool of adapters.
 
@@ -51,11 +64,15 @@ class Backend(ABC):
         self.name = name
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.pool = AdapterPool(self.attach_adapter, self.detach_adapter, max_adapters, adapter_dir)
+        self.pool = AdapterPool(self.attach_adapter, self.detach_adapter, max_adapters, adapter_dir=adapter_dir)
+
+    @classmethod  # noqa: B027 - most engines have nothing to add
+    def check_options(cls, opts, fmt: str) -> None:
+        """Refuse what this engine cannot do with ``opts`` for a base of format ``fmt`` (before it starts)."""
 
     @classmethod
     @abstractmethod
-    def from_options(cls, opts, dry_run: bool = False) -> Backend:
+    def from_options(cls, opts) -> Backend:
         """Start the engine for ``opts`` (a :class:`tuneport.serve.options.ServeOptions`) with its start-up
         adapters loaded."""
 
@@ -95,7 +112,7 @@ class Backend(ABC):
                                "pick one adapter with model=NAME, or serve with --engine llamacpp")
             if not isinstance(mix, dict):
                 raise ApiError("'adapters' must be an object {name: weight}")
-            return {check_name(k): float(v) for k, v in mix.items()}
+            return {check_name(k): number(mix, k, 1.0) for k in mix}
         model = body.get("model")
         if model in ("", None, self.name):
             return {}
@@ -128,6 +145,9 @@ class Backend(ABC):
         """What is served: engine, base model, adapters."""
         return {"engine": self.engine, "model": self.name, "adapters": self.pool.names(),
                 "max_adapters": self.pool.max_adapters, "weighted_mixes": self.weighted_mixes}
+
+    async def aclose(self) -> None:  # noqa: B027 - most engines hold nothing of the event loop
+        """Free what belongs to the gateway's event loop (HTTP clients); the gateway calls it when it stops."""
 
     @abstractmethod
     def close(self) -> None:

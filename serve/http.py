@@ -9,10 +9,6 @@ from collections.abc import Callable
 import httpx
 from fastapi.responses import JSONResponse
 
-from .errors import ApiError
-
-__all__ = ["ApiError", "SSE_DONE", "dumps", "error_message", "error_response", "sse", "wait_for_health"]
-
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An OpenAI-style error body."""

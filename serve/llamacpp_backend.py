@@ -7,6 +7,7 @@ LoRA files or PEFT directories (converted on load for an HF base, cached by cont
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import time
@@ -22,16 +23,16 @@ from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import export
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
+from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.options import ExportOptions
 
-from .contract import Backend, Kind, Usage
+from .contract import Backend, Kind, Usage, number
 from .engines.llamacpp import GenerationRequest, LlamaCppEngine
-from .http import SSE_DONE, ApiError, sse
+from .errors import ApiError
+from .http import SSE_DONE, sse
+from .options import served_name
 from .pool import PoolError
-
-# --dtype for an HF base: the GGUF type it is converted to (auto: F16, as llama.cpp's own converter does)
-GGUF_FOR_DTYPE = {"auto": "f16", "fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 
 
 class LlamaCppBackend(Backend):
@@ -40,22 +41,25 @@ class LlamaCppBackend(Backend):
 
     def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
                  n_ctx: int = 2048, workers: int = 2, kv_f32: bool = False, dtype: str = "auto") -> None:
+        name = served_name(str(base))  # from what the user gave: a hub id's name, not its snapshot's hash
         base = resolve_model_path(base)
         self.hf_base: Path | None = None
         if base.is_dir():
             self.hf_base = base
             model_path = self._cached_gguf(base, GGUF_FOR_DTYPE[dtype])
         elif base.suffix == ".gguf" and base.is_file():
-            if dtype != "auto":
-                raise UserError(f"--dtype {dtype} applies to an HF base (the GGUF it is converted to)",
-                                "drop --dtype: a GGUF file is served with its own types")
+            _check_dtype("gguf", dtype)
             model_path = base
         else:
             raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
         self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_workers=workers, kv_f32=kv_f32)
-        super().__init__(base.stem if base.is_file() else base.name, max_adapters, adapter_dir)
+        super().__init__(name, max_adapters, adapter_dir)
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
         self.add_bos = (self.llama.metadata("tokenizer.ggml.add_bos_token") or "true") == "true"
+
+    @classmethod
+    def check_options(cls, opts, fmt: str) -> None:
+        _check_dtype(fmt, opts.dtype)
 
     @classmethod
     def from_options(cls, opts) -> LlamaCppBackend:
@@ -181,11 +185,12 @@ class LlamaCppBackend(Backend):
         adapters = self.adapters_for(body)
         prompt = self.prompt_tokens(kind, body)
         usage.prompt_tokens = len(prompt)
-        temperature = body.get("temperature")
+        seed = body.get("seed")
         req = GenerationRequest(
-            prompt_tokens=prompt, adapters=adapters, max_tokens=int(body.get("max_tokens") or 16),
-            temperature=1.0 if temperature is None else float(temperature), top_p=float(body.get("top_p") or 1.0),
-            seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos", False)))
+            prompt_tokens=prompt, adapters=adapters, max_tokens=int(number(body, "max_tokens", 16, int)),
+            temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
+            seed=None if seed is None else int(number(body, "seed", 0, int)),
+            ignore_eos=bool(body.get("ignore_eos", False)))
         stops = body.get("stop") or []
         return req, adapters, [stops] if isinstance(stops, str) else list(stops)
 
@@ -203,10 +208,11 @@ class LlamaCppBackend(Backend):
         req, adapters, stops = self._start(kind, body, usage)
         ids: list[int] = []
         text, finish = "", None
-        with await self.hold(adapters):
-            async for delta, fin in self._pieces(req, stops, usage, ids):
-                text += delta
-                finish = fin or finish
+        with await self.hold(adapters):  # released only after the engine has dropped the request
+            async with contextlib.aclosing(self._pieces(req, stops, usage, ids)) as pieces:
+                async for delta, fin in pieces:
+                    text += delta
+                    finish = fin or finish
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
         else:
@@ -222,15 +228,16 @@ class LlamaCppBackend(Backend):
         head = {"id": _response_id(kind), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": body.get("model") or self.name}
         first = True
-        with await self.hold(adapters):
-            async for delta, finish in self._pieces(req, stops, usage):
-                if kind == "chat":
-                    d = {"role": "assistant", "content": delta} if first else {"content": delta}
-                    choice = {"index": 0, "delta": d, "finish_reason": finish}
-                else:
-                    choice = {"index": 0, "text": delta, "finish_reason": finish}
-                first = False
-                yield sse({**head, "choices": [choice]})
+        with await self.hold(adapters):  # released only after the engine has dropped the request
+            async with contextlib.aclosing(self._pieces(req, stops, usage)) as pieces:
+                async for delta, finish in pieces:
+                    if kind == "chat":
+                        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+                        choice = {"index": 0, "delta": d, "finish_reason": finish}
+                    else:
+                        choice = {"index": 0, "text": delta, "finish_reason": finish}
+                    first = False
+                    yield sse({**head, "choices": [choice]})
         yield SSE_DONE
 
     # -- state ---------------------------------------------------------------------------------------
@@ -243,6 +250,12 @@ class LlamaCppBackend(Backend):
 
     def close(self) -> None:
         self.llama.close()
+
+
+def _check_dtype(fmt: str, dtype: str) -> None:
+    if fmt == "gguf" and dtype != "auto":
+        raise UserError(f"--dtype {dtype} applies to an HF base (the GGUF it is converted to)",
+                        "drop --dtype: a GGUF file is served with its own types")
 
 
 def _response_id(kind: Kind) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
@@ -12,6 +12,18 @@ from .pool import check_name
 from .registry import ENGINES
 
 BASE_GUARD = ("auto", "on", "off")
+
+
+def option_flag(field_name: str) -> str:
+    """The command-line spelling of a ServeOptions field."""
+    return "arguments after --" if field_name == "vllm_args" else "--" + field_name.replace("_", "-")
+
+
+def served_name(base: str) -> str:
+    """The name a base is served under (``model`` in requests): the GGUF file's stem, the directory's name
+    or the hub id's last part."""
+    path = Path(base)
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def parse_named(specs: list[str] | dict[str, str | Path]) -> dict[str, str]:
@@ -79,6 +91,12 @@ class ServeOptions:
         check_choice("--vllm-base-guard", self.vllm_base_guard, BASE_GUARD)
         if self.max_adapters < 1:
             raise UserError("--max-adapters must be at least 1", "")
+
+    def changed(self) -> dict[str, object]:
+        """The options set to something other than their default (the fields a user actually gave)."""
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+                    for f in fields(self) if f.default is not MISSING or f.default_factory is not MISSING}
+        return {k: getattr(self, k) for k, v in defaults.items() if getattr(self, k) != v}
 
     def startup_adapters(self, must_fit: bool) -> dict[str, str]:
         """The start-up adapters; refused when they must all stay loaded but exceed the pool."""

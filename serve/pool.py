@@ -80,6 +80,7 @@ class AdapterPool:
         load: Callable[[str, Path], int],
         unload: Callable[[str], None],
         max_adapters: int,
+        *,
         adapter_dir: Path | None = None,
         allowed_roots: list[Path] | None = None,
         clock: Callable[[], float] = time.monotonic,

@@ -9,7 +9,8 @@ under ``tuneport.serve`` and imported when first used, so this table is cheap to
 from __future__ import annotations
 
 import importlib
-from dataclasses import MISSING, dataclass, fields
+import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 from tuneport.convert.errors import UserError
@@ -25,6 +26,13 @@ class EngineSpec:
     backend: str  # "module:Class", a Backend subclass
     planner: str  # "module:function", its memory plan (serve.policy.plan)
     options: tuple[str, ...] = ()  # ServeOptions fields only this engine honours
+
+    def installed(self) -> bool:
+        """Whether its package is importable here (found, not imported)."""
+        try:
+            return importlib.util.find_spec(self.package) is not None
+        except (ImportError, ValueError):
+            return False
 
     def load_backend(self) -> Any:
         return _resolve(self.backend)
@@ -56,14 +64,26 @@ def engine_spec(name: str) -> EngineSpec:
         raise UserError(f"unknown engine {name!r}", f"use one of {', '.join(ENGINES)}") from None
 
 
+def check_serves(engine: str, fmt: str, what: str) -> None:
+    """Refuse an engine for an artifact format it does not serve, naming the engines that do."""
+    from .policy.choice import FORMAT_LABELS
+
+    spec = engine_spec(engine)
+    if fmt not in spec.formats:
+        others = [e.name for e in ENGINES.values() if fmt in e.formats]
+        label, served = FORMAT_LABELS.get(fmt, fmt), ", ".join(FORMAT_LABELS.get(f, f) for f in spec.formats)
+        raise UserError(f"{spec.label} (--engine {engine}) serves {served}, not {label} ({what})",
+                        f"use --engine {' or '.join(others)}" if others else f"tuneport does not serve {label} yet")
+
+
 def check_engine_options(opts, engine: str) -> None:
     """Refuse options that only another engine honours, when set to something other than their default."""
-    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-                for f in fields(opts) if f.default is not MISSING or f.default_factory is not MISSING}
-    mine = engine_spec(engine).options
+    from .options import option_flag
+
+    mine, given = engine_spec(engine).options, opts.changed()
     for other in ENGINES.values():
         for key in other.options:
-            if key not in mine and getattr(opts, key) != defaults.get(key):
-                flag = "arguments after --" if key == "vllm_args" else "--" + key.replace("_", "-")
+            if key not in mine and key in given:
+                flag = option_flag(key)
                 raise UserError(f"{flag}: only --engine {other.name} honours it, this server runs {engine}",
                                 f"drop it, or serve with --engine {other.name}")

@@ -9,48 +9,63 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.options import coerce_options
 
-from .options import ServeOptions
-from .registry import check_engine_options, engine_spec
+from .options import ServeOptions, option_flag
+from .registry import check_engine_options, check_serves, engine_spec
 
 if TYPE_CHECKING:  # `import tuneport` imports this module: engines and the web stack load when used
     from .contract import Backend
+    from .policy import EngineDecision
 
 GRACEFUL_SHUTDOWN_S = 30
 log = logging.getLogger("tuneport.serve")
 
 
-def _decide(opts: ServeOptions):
-    """(engine decision, artifact, load) by the policy's rule table, for ``opts.base`` on this machine."""
+def _base(opts: ServeOptions) -> tuple[Path, str]:
+    """The base's local path (a hub id is downloaded) and its format (serve.policy.FORMATS)."""
     from tuneport.convert.checkpoint import resolve_model_path
 
+    from .policy import artifact_format
+
+    path = resolve_model_path(opts.base)
+    return path, artifact_format(path)
+
+
+def _auto(opts: ServeOptions, path: Path, fmt: str) -> EngineDecision:
+    """What ``--engine auto`` chooses for this base on this machine (the policy's rule table)."""
     from . import policy
 
-    artifact = policy.describe_artifact(resolve_model_path(opts.base))
     load = policy.ServeLoad(concurrency=opts.concurrency, context_len=opts.max_model_len or opts.n_ctx,
                             n_adapters=len(opts.adapters) + (1 if opts.adapter_dir else 0))
-    decision = policy.choose_engine(artifact, policy.detect_hardware(), load, policy.installed_engines())
-    return decision, artifact, load
+    return policy.choose_engine(policy.ArtifactInfo(str(path), fmt), policy.detect_hardware(), load,
+                                policy.installed_engines())
 
 
-def choose_engine(opts: ServeOptions) -> str:
-    """``opts.engine``, or the policy's choice for ``auto``; refuses options another engine honours."""
-    engine = opts.engine
-    if engine == "auto":
-        decision, _, _ = _decide(opts)
-        engine = decision.engine
-        log.info("engine %s: %s", engine, decision.reason)
+def check_engine(opts: ServeOptions, engine: str, fmt: str, *, starting: bool) -> None:
+    """Everything that would make ``engine`` refuse ``opts``, checked before it starts (or is planned)."""
+    spec = engine_spec(engine)
+    if starting and not spec.installed():
+        raise UserError(f"{spec.label} (--engine {engine}) is not installed here", spec.install_hint)
+    check_serves(engine, fmt, opts.base)
     check_engine_options(opts, engine)
-    return engine
+    spec.load_backend().check_options(opts, fmt)
 
 
 def start_backend(opts: ServeOptions) -> Backend:
-    """The chosen engine running ``opts.base`` with its start-up adapters loaded."""
-    return engine_spec(choose_engine(opts)).load_backend().from_options(opts)
+    """The engine ``opts`` names (or ``auto`` chooses) running the base with its start-up adapters loaded."""
+    path, fmt = _base(opts)
+    engine = opts.engine
+    if engine == "auto":
+        decision = _auto(opts, path, fmt)
+        engine = decision.engine
+        log.info("engine %s: %s", engine, decision.reason)
+    check_engine(opts, engine, fmt, starting=True)
+    return engine_spec(engine).load_backend().from_options(opts)
 
 
 class Server:
@@ -64,31 +79,38 @@ class Server:
 
         from .gateway import create_app
 
+        if dry := [k for k in ("replicas", "gpus_per_replica") if k in opts.changed()]:
+            raise UserError(f"{option_flag(dry[0])} applies to the dry run",
+                            "add --dry-run (tuneport.serve_plan) to print the commands for several replicas")
         key = opts.read_api_key()
         self.options = opts
-        self.backend = start_backend(opts)
-        try:
-            sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((opts.host, opts.port))
-        except OSError as e:
-            self.backend.close()
-            raise UserError(f"cannot listen on {opts.host}:{opts.port} ({e.strerror})",
-                            "pick another --port, or stop what uses it") from e
-        self.host, self.port = opts.host, sock.getsockname()[1]
-        self.url = f"http://{'127.0.0.1' if opts.host in ('0.0.0.0', '') else opts.host}:{self.port}"
-        config = uvicorn.Config(create_app(self.backend, api_key=key), log_level="warning",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name="tuneport-gateway")
-        self._thread.start()
-        while not self._uvicorn.started:
-            if not self._thread.is_alive():
-                self.backend.close()
-                raise RuntimeError("the gateway stopped while starting")
-            time.sleep(0.02)
+        self._lock = threading.Lock()
         self._closed = False
+        sock = _listen(opts.host, opts.port)  # before the engine starts: a busy port fails at once
+        self.backend: Backend | None = None
+        try:
+            self.backend = start_backend(opts)
+            self.host, self.port = opts.host, sock.getsockname()[1]
+            host = "127.0.0.1" if opts.host in ("0.0.0.0", "") else opts.host
+            self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+            config = uvicorn.Config(create_app(self.backend, api_key=key), log_level="warning",
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            self._uvicorn = uvicorn.Server(config)
+            self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
+                                            name="tuneport-gateway")
+            self._thread.start()
+            while not self._uvicorn.started:
+                if not self._thread.is_alive():
+                    raise UserError("the gateway stopped while starting", "rerun with --log-level debug")
+                time.sleep(0.02)
+        except BaseException:
+            sock.close()
+            if self.backend is not None:
+                if hasattr(self, "_thread"):
+                    self._uvicorn.should_exit = True
+                    self._thread.join(GRACEFUL_SHUTDOWN_S)
+                self.backend.close()
+            raise
 
     def wait(self) -> None:
         """Serve until :meth:`stop` is called (from a signal handler, say)."""
@@ -96,15 +118,18 @@ class Server:
             self._thread.join(0.5)
 
     def stop(self) -> None:
-        """Ask the gateway to finish in-flight requests and stop (returns at once)."""
+        """Ask the gateway to finish in-flight requests and stop (returns at once); asked again, stop now."""
+        if self._uvicorn.should_exit:
+            self._uvicorn.force_exit = True
         self._uvicorn.should_exit = True
 
     def close(self) -> None:
         """Stop the gateway (in-flight requests finish first), then the engine."""
-        if self._closed:
-            return
-        self._closed = True
-        self.stop()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._uvicorn.should_exit = True
         self._thread.join(GRACEFUL_SHUTDOWN_S + 5)
         self.backend.close()
 
@@ -113,6 +138,18 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror})",
+                        "pick another --port, or stop what uses it") from e
+    return sock
 
 
 def serve(options: ServeOptions | None = None, /, **fields) -> Server:
@@ -125,7 +162,7 @@ def serve(options: ServeOptions | None = None, /, **fields) -> Server:
 def serve_forever(opts: ServeOptions) -> None:
     """``tuneport serve``: serve until SIGINT/SIGTERM, then finish in-flight requests and stop (exit 0)."""
     with serve(opts) as server:
-        log.warning("tuneport serve: %s on %s (%s)", server.backend.name, server.url, server.backend.engine)
+        log.info("serving %s on %s (%s)", server.backend.name, server.url, server.backend.engine)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: server.stop())
         server.wait()
@@ -145,14 +182,12 @@ def tuneport_argv(opts: ServeOptions, engine: str) -> list[str]:
         argv += ["--api-key-file", str(opts.api_key_file)]
     if opts.dtype != "auto":
         argv += ["--dtype", opts.dtype]
-    spec, defaults = engine_spec(engine), ServeOptions(base=opts.base)
-    for key in spec.options:
-        value = getattr(opts, key)
-        if key == "vllm_args" or value == getattr(defaults, key):
+    given, honoured = opts.changed(), engine_spec(engine).options
+    for key in honoured:
+        if key == "vllm_args" or key not in given:
             continue
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return argv + (["--", *opts.vllm_args] if opts.vllm_args and "vllm_args" in spec.options else [])
+        argv += [option_flag(key)] if given[key] is True else [option_flag(key), str(given[key])]
+    return argv + (["--", *opts.vllm_args] if "vllm_args" in given and "vllm_args" in honoured else [])
 
 
 def plan(options: ServeOptions | None = None, /, **fields) -> dict:
@@ -165,13 +200,22 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
     from .vllm_bugs import GUARD_ADAPTER
 
     opts = coerce_options(ServeOptions, options, fields)
-    decision, artifact, load = _decide(opts)
-    engine = opts.engine if opts.engine != "auto" else decision.engine
-    check_engine_options(opts, engine)
+    path, fmt = _base(opts)
+    try:
+        auto = _auto(opts, path, fmt)
+    except UserError as e:
+        if opts.engine == "auto":
+            raise
+        auto = policy.EngineDecision("", f"auto would refuse: {e.line()}")
+    engine = auto.engine if opts.engine == "auto" else opts.engine
+    check_engine(opts, engine, fmt, starting=False)
+    artifact = policy.describe_artifact(path)
+    load = policy.ServeLoad(concurrency=opts.concurrency, context_len=opts.max_model_len or opts.n_ctx,
+                            n_adapters=len(opts.adapters) + (1 if opts.adapter_dir else 0))
     startup = [resolve_adapter_path(p) for p in opts.adapters.values()]
     plans, notes = {}, []
     vllm_plan = None
-    if artifact.format != "gguf":
+    if artifact.format in engine_spec("vllm").formats:
         try:
             vllm_plan = VllmPlan(opts, write=False)
         except UserError as e:
@@ -195,9 +239,10 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
                     kv_bytes_per_elem=4 if opts.kv_f32 else None)
         except UserError as e:
             notes.append(f"{name}: {e.line()}")
+    decision = auto
     if opts.engine != "auto":
-        decision = policy.EngineDecision(engine, f"--engine {engine} as asked (auto would choose "
-                                                 f"{decision.engine}: {decision.reason})", "explicit")
+        would = f"auto would choose {auto.engine}: {auto.reason}" if auto.engine else auto.reason
+        decision = policy.EngineDecision(engine, f"--engine {engine} as asked ({would})", "explicit")
     argv = tuneport_argv(opts, engine)
     if opts.replicas > 1:
         commands = policy.replica_commands(argv, opts.replicas, opts.gpus_per_replica, opts.port)

@@ -27,7 +27,9 @@ from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lo
 
 from .contract import Backend, Kind, Usage
 from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
-from .http import ApiError, error_message
+from .errors import ApiError
+from .http import error_message
+from .options import served_name
 from .pool import PoolError, check_name
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
 
@@ -50,18 +52,15 @@ class VllmPlan:
 
     def __init__(self, opts, write: bool = True) -> None:
         self.opts, self.write = opts, write
-        base = resolve_model_path(opts.base)
-        if base.suffix == ".gguf":
-            raise UserError(f"--engine vllm serves Hugging Face safetensors models, not GGUF ({opts.base})",
-                            "use --engine llamacpp for a GGUF base, or pass the HF model directory")
-        self.ckpt = Checkpoint(base)
+        self.ckpt = Checkpoint(resolve_model_path(opts.base))
         self.arch = arch_for(self.ckpt.model_type)
-        self.name = Path(str(opts.base)).name
+        self.name = served_name(opts.base)
         self.bugs = bugs_that_apply()
         self.guard = opts.vllm_base_guard == "on" or (opts.vllm_base_guard == "auto" and bool(self.bugs))
-        startup = {name: resolve_adapter_path(path) for name, path in opts.startup_adapters(must_fit=True).items()}
-        self.max_lora_rank = self._max_lora_rank(startup)
-        self.startup = {name: self.prepare(name, path) for name, path in startup.items()}
+        # start-up adapters: where the user has them, and the directory vLLM loads (a fixed copy when needed)
+        self.sources = {name: resolve_adapter_path(path) for name, path in opts.startup_adapters(must_fit=True).items()}
+        self.max_lora_rank = self._max_lora_rank(self.sources)
+        self.startup = {name: self.prepare(name, path) for name, path in self.sources.items()}
         extra = int(self.guard)
         slots = min(opts.max_loras or opts.max_adapters, opts.max_adapters)
         modules = dict(self.startup)
@@ -84,17 +83,18 @@ class VllmPlan:
                 raise UserError(f"--max-lora-rank {opts.max_lora_rank} is not one vLLM accepts",
                                 f"use one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
             return opts.max_lora_rank
-        ranks = [config_rank(p) for p in startup.values()]
-        for name, path in startup.items():
-            if config_rank(path) > VLLM_MAX_LORA_RANKS[-1]:
-                raise UserError(f"adapter {name} has rank {config_rank(path)}, above vLLM's largest "
+        ranks = {name: config_rank(p) for name, p in startup.items()}
+        for name, rank in ranks.items():
+            if rank > VLLM_MAX_LORA_RANKS[-1]:
+                raise UserError(f"adapter {name} has rank {rank}, above vLLM's largest "
                                 f"--max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}",
                                 "merge it (tuneport export --target vllm --adapters merge) or serve it with "
                                 "--engine llamacpp")
+        known = list(ranks.values())
         if opts.adapter_dir and opts.adapter_dir.is_dir():
-            ranks += [r for p in opts.adapter_dir.iterdir() if (p / "adapter_config.json").exists()
+            known += [r for p in opts.adapter_dir.iterdir() if (p / "adapter_config.json").exists()
                       and (r := config_rank(p)) <= VLLM_MAX_LORA_RANKS[-1]]
-        top = max(ranks, default=0)
+        top = max(known, default=0)
         return round_lora_rank(top) if top > DEFAULT_LORA_RANK else DEFAULT_LORA_RANK
 
     def prepare(self, name: str, path: Path) -> Path:
@@ -135,8 +135,8 @@ class VllmBackend(Backend):
             raise
         self.url = self.process.url
         self.admin = VllmAdapters(self.url)
-        for name, path in plan.startup.items():
-            self.pool.register(name, path, pinned=opts.pin, nbytes=_size(path))
+        for name, path in plan.startup.items():  # the user's path (allowed for reloads), vLLM's copy's size
+            self.pool.register(name, plan.sources[name], pinned=opts.pin, nbytes=_size(path))
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
@@ -166,7 +166,8 @@ class VllmBackend(Backend):
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """An async client to vLLM, made in the event loop that uses it."""
+        """An async client to vLLM, made in the event loop that uses it (closed by :meth:`aclose` when the
+        gateway stops)."""
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
             # below uvicorn's 5 s keep-alive timeout on the vLLM side: never reuse a connection it is closing
@@ -238,12 +239,14 @@ class VllmBackend(Backend):
         return {**super().describe(), "vllm_url": self.url, "base_guard": self.guard,
                 "max_lora_rank": self.plan.max_lora_rank, "command": self.plan.launch.command()}
 
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = self._client_loop = None
+
     def close(self) -> None:
         self.admin.close()
         self.process.stop()
-        client, loop = self._client, self._client_loop
-        if client is not None and loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(client.aclose(), loop)
 
 
 def _upstream_error(r: httpx.Response) -> ApiError:

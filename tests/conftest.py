@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,21 @@ def zoo(tmp_path_factory) -> TinyZoo:
 def ids() -> torch.Tensor:
     """A fixed token sequence inside every tiny vocabulary."""
     return torch.tensor([[1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]])
+
+
+@pytest.fixture
+def hub(zoo, tmp_path, monkeypatch):
+    """A local Hugging Face cache holding the tiny llama as tiny-org/tiny-llama and an adapter as
+    tiny-org/tiny-lora (offline: resolved exactly as a downloaded repo is)."""
+    import huggingface_hub.constants
+
+    for repo, src in (("tiny-llama", zoo.base("llama")), ("tiny-lora", zoo.adapter("llama", "plain"))):
+        root = tmp_path / "hub" / f"models--tiny-org--{repo}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text("a" * 40)
+        shutil.copytree(src, root / "snapshots" / ("a" * 40))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return "tiny-org/tiny-llama", "tiny-org/tiny-lora"
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

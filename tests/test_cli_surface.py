@@ -112,3 +112,34 @@ def test_dry_run_writes_nothing(zoo, tmp_path, monkeypatch):
     assert not cache.exists() or not any(cache.rglob("*")), list(cache.rglob("*"))
     tuneport.serve_plan(base=zoo.base("llama"), engine="llamacpp")  # an HF base llama.cpp would convert
     assert not cache.exists() or not any(cache.rglob("*"))
+
+
+def test_hub_ids_serve_under_their_name(hub):
+    base, lora = hub
+    plan = tuneport.serve_plan(base=base, adapters={"chat": lora}, engine="vllm")
+    gateway, vllm = plan["commands"]
+    assert gateway["argv"][gateway["argv"].index("--base") + 1] == base
+    argv = vllm["argv"]
+    assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
+    assert [json.loads(a)["name"] for a in argv if a.startswith("{")][0] == "chat"
+
+
+def test_serve_refusals_before_anything_starts(zoo, tmp_path, cli, monkeypatch):
+    from tuneport.serve.registry import EngineSpec
+
+    gguf = tmp_path / "m.gguf"
+    tuneport.export(base=zoo.base("llama"), target="gguf", quant="f32", out=tmp_path / "g")
+    shutil.copy(tmp_path / "g" / "llama-fp32-F32.gguf", gguf)
+    cases = [
+        (["--base", gguf, "--engine", "vllm", "--dry-run"], "vLLM (--engine vllm) serves HF safetensors"),
+        (["--base", gguf, "--dtype", "bf16", "--dry-run"], "--dtype bf16 applies to an HF base"),
+        (["--base", gguf, "--replicas", "2", "--port", "0"], "--replicas applies to the dry run"),
+        (["--base", gguf, "--json"], "--json applies to --dry-run"),
+    ]
+    for args, expect in cases:
+        code, _, err = cli("serve", *args)
+        assert code == 2 and expect in err, (args, err)
+    monkeypatch.setattr(EngineSpec, "installed", lambda self: self.name != "llamacpp")
+    code, _, err = cli("serve", "--base", gguf, "--engine", "llamacpp", "--port", "0")
+    assert code == 2 and "llama.cpp (--engine llamacpp) is not installed here" in err
+    assert "pip install 'tuneport[llamacpp]'" in err

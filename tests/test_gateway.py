@@ -157,3 +157,10 @@ def test_access_log_and_metrics(gw, caplog):
     for name in ("tuneport_requests_total", "tuneport_completion_tokens_total", "tuneport_adapter_loads_total",
                  'tuneport_request_latency_seconds_bucket{le="+Inf"}'):
         assert name in text
+
+
+def test_bad_values_are_the_clients_error(gw):
+    c = gw.client()
+    for body in ({"max_tokens": "lots"}, {"temperature": "hot"}, {"prompt": {"not": "a prompt"}}):
+        r = complete(c, "plain", **body)
+        assert r.status_code == 400, (body, r.status_code, r.text)

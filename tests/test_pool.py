@@ -124,7 +124,7 @@ def test_two_loads_of_one_name_waiting_for_a_full_pool_load_it_once(tmp_path):
     of loading the name a second time over the first (which left requests on a replaced adapter)."""
     engine = FakeEngine()
     adapters = make_dirs(tmp_path, ["a", "b"])
-    pool = AdapterPool(engine.load, engine.unload, 1, adapters, slot_wait_s=10)
+    pool = AdapterPool(engine.load, engine.unload, 1, adapter_dir=adapters, slot_wait_s=10)
     with pool.use("a"):
         results: list[object] = []
 

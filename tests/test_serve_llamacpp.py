@@ -242,3 +242,12 @@ def test_llamacpp_log_is_routed_to_logging_and_restored(tmp_path, caplog):
     assert "could not load" in e.value.message and "--log-level debug" in e.value.hint
     assert any(r.name == "tuneport.llamacpp" and "truncated.gguf" in r.getMessage() for r in caplog.records)
     assert current_log_callback() == before
+
+
+def test_hub_id_base_and_adapter_serve_under_their_names(hub):
+    base, lora = hub
+    with tuneport.serve(base=base, adapters={"chat": lora}, engine="llamacpp", n_ctx=64, workers=1,
+                        port=0) as server:
+        models = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+        assert models == ["tiny-llama", "chat"]
+        assert ask_tokens(httpx.Client(base_url=server.url), "tiny-llama", [1, 50, 60], 2)[0] == 200

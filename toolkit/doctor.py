@@ -9,6 +9,8 @@ import platform
 import shutil
 import sys
 
+from tuneport.serve.registry import ENGINES
+
 PACKAGES = {
     "torch": "torch",
     "transformers": "transformers",
@@ -21,7 +23,6 @@ PACKAGES = {
     "sentencepiece": "sentencepiece",
     "tokenizers": "tokenizers",
 }
-ENGINES = {"llama.cpp": "llama-cpp-python", "vllm": "vllm", "exllamav3": "exllamav3"}
 
 
 def _version(dist: str, module: str) -> str | None:
@@ -44,12 +45,10 @@ def doctor_report() -> dict:
         cuda = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
                 "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     engines = {}
-    for engine, dist in ENGINES.items():
-        v = pkgs[dist]
-        why = "" if v else f"pip install {'tuneport[llamacpp]' if engine == 'llama.cpp' else dist}"
-        if engine == "exllamav3" and v and not (cuda and cuda["available"]):
-            why = "installed, but exllamav3 needs CUDA"
-        engines[engine] = {"available": bool(v) and not why, "version": v, "reason": why}
+    for spec in ENGINES.values():  # the engines tuneport serves, from the registry
+        dist = next(d for d, m in PACKAGES.items() if m == spec.package)
+        engines[spec.label.lower()] = {"engine": spec.name, "available": bool(pkgs[dist]), "version": pkgs[dist],
+                                       "reason": "" if pkgs[dist] else spec.install_hint}
     bugs = []
     if pkgs["vllm"]:
         from tuneport.serve.vllm_bugs import bugs_that_apply, vllm_platform

@@ -48,7 +48,13 @@ def gguf_lora_verdict(adapter: Adapter, arch: ArchSpec | None) -> str:
     problems = lora_refusals(adapter, None, arch)
     if problems:
         return "llama.cpp loads GGUF LoRA files only, and this adapter has no GGUF LoRA form: " + "; ".join(problems)
-    return "llama.cpp loads GGUF LoRA files only: tuneport export --target gguf --adapters separate"
+    # what lora_refusals can only check against the base itself
+    touched = {m.module for m in adapter.modules.values()}
+    needs = (["the base does not tie its embeddings"] if touched & {arch.embed, arch.lm_head} else []) + (
+        ["the embedding layers saved with the adapter equal the base's"]
+        if "base_layer" in adapter.replacement_origin.values() else [])
+    return ("llama.cpp loads GGUF LoRA files only: tuneport export --target gguf --adapters separate"
+            + (f" (works if {' and '.join(needs)})" if needs else ""))
 
 
 def inspect_adapter(path: Path) -> dict:

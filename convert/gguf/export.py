@@ -69,7 +69,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             path = (tmp if q in quants else scratch) / f"{name}-{q.label}.gguf"
             files[q.name] = path
             targets.append((path, plan_gguf_model(arch, plan.config, shapes, q.direct), q.ftype))
-        hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name, progress)
+        hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name=name, progress=progress)
         for q in via_llamacpp:
             files[q.name] = tmp / f"{name}-{q.label}.gguf"
             quantize_with_llamacpp(files[lossless.name], files[q.name], q)

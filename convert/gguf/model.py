@@ -184,7 +184,7 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     return plan
 
 
-def write_hparams(writer, plan: GGUFModelPlan, n_vocab: int, file_type: int, name: str) -> None:
+def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, name: str) -> None:
     cfg, garch = plan.config, plan.garch
     writer.add_type("model")
     writer.add_name(name)
@@ -286,6 +286,7 @@ def write_gguf_models(
     targets: list[tuple[Path, GGUFModelPlan, int]],
     vocab: GGUFVocab,
     read: Callable[[str], torch.Tensor],
+    *,
     name: str,
     progress: Progress | None = None,
 ) -> dict[Path, str]:
@@ -298,7 +299,7 @@ def write_gguf_models(
     for out, plan, file_type in targets:
         writer = _hashing_writer(out, plan.arch.gguf_arch)
         n_vocab = next(t.shape[0] for t in plan.tensors if t.gguf_name == "token_embd.weight")
-        write_hparams(writer, plan, n_vocab, file_type, name)
+        write_hparams(writer, plan, n_vocab=n_vocab, file_type=file_type, name=name)
         vocab.write(writer)
         for tp in plan.tensors:
             q = gguf.GGMLQuantizationType[tp.qtype]

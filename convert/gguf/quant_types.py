@@ -36,6 +36,10 @@ QUANT_TYPES: dict[str, QuantType] = {q.name: q for q in [
     QuantType("q6_k", "Q6_K", 18, k_quant=True),
 ]}
 DEFAULT_QUANT = "q4_k_m"
+# tuneport's --dtype -> the lossless GGUF type an HF base becomes when llama.cpp serves it (auto: F16, as
+# llama.cpp's own converter does), and the bytes per weight of those types
+GGUF_FOR_DTYPE = {"auto": "f16", "fp16": "f16", "bf16": "bf16", "fp32": "f32"}
+FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
 def parse_quant_list(text: str | None) -> list[QuantType]:

@@ -59,7 +59,7 @@ class _Seq:
 
 
 class LlamaCppEngine:
-    def __init__(self, model_path: Path, n_ctx: int = 2048, n_workers: int = 2, n_threads: int | None = None,
+    def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_workers: int = 2, n_threads: int | None = None,
                  kv_f32: bool = False, n_seq_max: int = 8) -> None:
         import llama_cpp
 
@@ -93,6 +93,7 @@ class LlamaCppEngine:
         self._generation: dict[str, int] = {}
         self._cv = threading.Condition()
         self._pending: list[_Seq] = []
+        self._attached: dict[int, tuple] = {}  # worker context -> the adapter set attached to it
         self._closed = False
         self.max_batch_seqs = 0  # the most sequences decoded together so far (observability, tests)
         self._contexts = []
@@ -130,9 +131,14 @@ class LlamaCppEngine:
         return nbytes
 
     def unload_adapter(self, name: str) -> None:
-        with self._lock:
-            ptr = self._adapters.pop(name)
-            self._generation.pop(name, None)
+        """Free ``name`` once no context decodes with it: a request that was just cancelled may still be in
+        its last step, and freeing an adapter attached to a context would crash llama.cpp."""
+        with self._cv:
+            while any(n == name for key in self._attached.values() for n, _, _ in key):
+                self._cv.wait()
+            with self._lock:
+                ptr = self._adapters.pop(name)
+                self._generation.pop(name, None)
         self.lc.llama_adapter_lora_free(ptr)
 
     # -- generation: continuous batching per adapter set ------------------------------------------
@@ -208,7 +214,8 @@ class LlamaCppEngine:
                     if self._closed:
                         return
                     active = self._claim(None, self.n_seq_max)
-                key = active[0].key
+                    key = active[0].key
+                    self._attached[id(ctx)] = key  # before the pointers are read: unload waits for it
                 lc.llama_memory_clear(mem, True)  # never reuse a cache across adapter sets
                 try:
                     self._set_adapters(ctx, key)
@@ -218,6 +225,9 @@ class LlamaCppEngine:
                         sq.out.put(e if isinstance(e, Exception) else RuntimeError(str(e)))
                 finally:
                     lc.llama_set_adapters_lora(ctx, None, 0, None)  # no context keeps a pointer to an adapter
+                    with self._cv:
+                        del self._attached[id(ctx)]
+                        self._cv.notify_all()
         finally:
             lc.llama_batch_free(batch)
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from ..contract import Backend
-from ..http import ApiError
+from ..errors import ApiError
 
 
 def admin_router(backend: Backend) -> APIRouter:

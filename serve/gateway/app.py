@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import FastAPI, Request
 
 from tuneport.convert.errors import UserError
 
 from ..contract import Backend
-from ..http import ApiError, error_response
+from ..errors import ApiError
+from ..http import error_response
 from .admin_routes import admin_router
 from .middleware import AccessLog, Guard
 from .openai_routes import openai_router
@@ -18,7 +21,12 @@ MAX_BODY_BYTES = 1 << 20
 
 def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
     """The gateway over ``backend``; it uses nothing of the engine but the :class:`Backend` contract."""
-    app = FastAPI(title="tuneport gateway")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await backend.aclose()
+
+    app = FastAPI(title="tuneport gateway", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     app.add_middleware(AccessLog, metrics=backend.metrics)  # outermost: refusals by Guard are logged too
 

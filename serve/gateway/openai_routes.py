@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -42,7 +43,7 @@ async def answer(backend: Backend, request: Request, kind: Kind, body: dict):
         first = await anext(events)  # a refusal (unknown adapter, bad request, engine error) is an HTTP error
     except StopAsyncIteration:
         first = b""
-    return StreamingResponse(_then(first, events), media_type="text/event-stream")
+    return ClosingStreamingResponse(_then(first, events), media_type="text/event-stream")
 
 
 async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -51,4 +52,17 @@ async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes
         async for chunk in rest:
             yield chunk
     finally:
-        await rest.aclose()  # releases the adapters the stream holds, also when the client went away
+        await rest.aclose()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its event generator when the response ends in any way, a client gone mid-stream included
+    (Starlette then cancels the response and would leave the generator to the garbage collector): the
+    backend's stream releases the adapters it holds at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

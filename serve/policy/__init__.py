@@ -15,6 +15,7 @@ from .artifact import (
     ArtifactInfo,
     ShapeReader,
     adapter_nbytes,
+    artifact_format,
     describe_artifact,
 )
 from .choice import (
@@ -30,7 +31,7 @@ from .choice import (
     ServeLoad,
     choose_engine,
 )
-from .hardware import ENGINE_MODULES, ENGINES, GIB, INSTALL_HINTS, MIB, Hardware, detect_hardware, installed_engines
+from .hardware import ENGINES, GIB, INSTALL_HINTS, MIB, Hardware, detect_hardware, installed_engines
 from .plan import (
     LLAMACPP_KV_PAD,
     LLAMACPP_SEQS_PER_CONTEXT,
@@ -49,10 +50,11 @@ from .scale_out import nginx_upstream, replica_commands
 
 __all__ = [
     "EXL3_SIDE_FILE", "EXL3_TENSOR_SUFFIX", "FORMATS", "GGUF_FLOAT_BYTES", "QUANT_METHODS", "SHAPE_READERS",
-    "ArtifactInfo", "ShapeReader", "adapter_nbytes", "describe_artifact", "ANY_ACCEL", "FORMAT_LABELS", "GPU",
+    "ArtifactInfo", "ShapeReader", "adapter_nbytes", "artifact_format", "describe_artifact", "ANY_ACCEL",
+    "FORMAT_LABELS", "GPU",
     "MANY_ADAPTERS", "MANY_REQUESTS", "QUANTIZED", "RULES", "EngineDecision", "Rule", "ServeLoad",
     "choose_engine", "LLAMACPP_KV_PAD", "LLAMACPP_SEQS_PER_CONTEXT", "PLAN_COLUMNS", "plan_llamacpp", "plan_vllm",
     "VLLM_DTYPE_BYTES", "MemoryPlan", "dry_run", "format_dry_run", "human_bytes", "memory_plan", "shell_line",
-    "ENGINE_MODULES", "ENGINES", "GIB", "INSTALL_HINTS", "MIB", "Hardware", "detect_hardware",
+    "ENGINES", "GIB", "INSTALL_HINTS", "MIB", "Hardware", "detect_hardware",
     "installed_engines", "nginx_upstream", "replica_commands",
 ]

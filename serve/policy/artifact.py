@@ -227,6 +227,22 @@ def _describe_gguf(path: Path) -> ArtifactInfo:
     )
 
 
+def _not_a_model(p: Path) -> UserError:
+    what = "does not exist" if not p.exists() else "is neither a .gguf file nor a model directory"
+    return UserError(f"{p} {what}", "pass a GGUF file or a local Hugging Face model directory (config.json + "
+                                    "*.safetensors)")
+
+
+def artifact_format(path: str | Path) -> str:
+    """The format of a model (one of FORMATS) from its name and config only: no tensor is read."""
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf" and p.is_file():
+        return "gguf"
+    if p.is_dir():
+        return _hf_format(Checkpoint(p))
+    raise _not_a_model(p)
+
+
 def describe_artifact(path: str | Path) -> ArtifactInfo:
     """Format and dimensions of a ``.gguf`` file or a local safetensors model directory."""
     p = Path(path).expanduser()
@@ -234,9 +250,7 @@ def describe_artifact(path: str | Path) -> ArtifactInfo:
         return _describe_gguf(p)
     if p.is_dir():
         return _describe_hf(p)
-    what = "does not exist" if not p.exists() else "is neither a .gguf file nor a model directory"
-    raise UserError(f"{p} {what}", "pass a GGUF file or a local Hugging Face model directory (config.json + "
-                                   "*.safetensors)")
+    raise _not_a_model(p)
 
 
 def adapter_nbytes(path: str | Path, engine: str, dtype_bytes: int = 2) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -12,7 +11,6 @@ from pathlib import Path
 from ..registry import ENGINES as _REGISTRY
 
 ENGINES = tuple(_REGISTRY)  # the values of `tuneport serve --engine` (besides auto)
-ENGINE_MODULES = {e.name: e.package for e in _REGISTRY.values()}
 INSTALL_HINTS = {e.name: e.install_hint for e in _REGISTRY.values()}
 GIB = 1 << 30
 MIB = 1 << 20
@@ -77,13 +75,6 @@ def detect_hardware() -> Hardware:
 
 def installed_engines() -> set[str]:
     """Engines whose Python package is importable (not imported)."""
-    found = set()
-    for engine, module in ENGINE_MODULES.items():
-        try:
-            if importlib.util.find_spec(module) is not None:
-                found.add(engine)
-        except (ImportError, ValueError):
-            pass
-    return found
+    return {name for name, spec in _REGISTRY.items() if spec.installed()}
 
 

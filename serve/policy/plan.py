@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from tuneport.convert.errors import UserError
+from tuneport.convert.gguf.quant_types import FLOAT_BYTES, GGUF_FOR_DTYPE, QUANT_TYPES
 
 from ..registry import engine_spec
 from .artifact import ArtifactInfo
@@ -18,8 +19,6 @@ from .hardware import GIB, MIB
 LLAMACPP_SEQS_PER_CONTEXT = 8  # LlamaCppEngine's n_seq_max: each context holds n_ctx × 8 cells, unified
 LLAMACPP_KV_PAD = 256  # llama.cpp rounds a context's KV cells up to a multiple of 256 (measured, 0.3.36)
 VLLM_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-# `tuneport serve --dtype` for llama.cpp with an HF base: the GGUF it converts to (bytes per matrix element)
-GGUF_CONVERSION = {"auto": (2, "F16"), "fp16": (2, "F16"), "bf16": (2, "BF16"), "fp32": (4, "F32")}
 
 
 @dataclass
@@ -103,7 +102,8 @@ def plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
         weights, w_how = a.weight_bytes, f"{_n(a.weight_bytes)} bytes of GGUF tensors (mapped from the file)"
     elif a.format == "hf":
         mat = a.params - a.vector_params
-        nb, label = GGUF_CONVERSION.get(o["dtype"] or "auto", GGUF_CONVERSION["auto"])
+        quant = GGUF_FOR_DTYPE[o["dtype"] or "auto"]  # what the llama.cpp backend converts the base to
+        nb, label = FLOAT_BYTES[quant], QUANT_TYPES[quant].label
         weights = nb * mat + 4 * a.vector_params
         w_how = (f"{label} GGUF conversion: {nb} × {_n(mat)} matrix params + 4 × {_n(a.vector_params)} "
                  f"F32 norm/bias params = {_n(weights)}")
