@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import resolve_hub_path
+from .checkpoint import Checkpoint, resolve_hub_path
 from .errors import UserError
 from .safetensors_file import SafetensorsFile
 
@@ -312,7 +312,7 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
             adapter.replacement_origin[f"{module}.{param}"] = origin
 
 
-def saved_base_layers(adapter: Adapter, base) -> tuple[set[str], set[str]]:
+def saved_base_layers(adapter: Adapter, base: Checkpoint) -> tuple[set[str], set[str]]:
     """The base layers PEFT saved beside the adapter (e.g. ``embed_tokens.base_layer``), split into those
     identical to ``base`` (safe to drop) and those that differ (a resized or retrained embedding)."""
     same, differ = set(), set()
@@ -320,7 +320,7 @@ def saved_base_layers(adapter: Adapter, base) -> tuple[set[str], set[str]]:
         if origin != "base_layer":
             continue
         saved = adapter.replacements[name]
-        equal = (base is not None and name in base and tuple(base.meta(name).shape) == tuple(saved.shape)
+        equal = (name in base and tuple(base.meta(name).shape) == tuple(saved.shape)
                  and torch.equal(base.read(name).to(saved.dtype), saved))
         (same if equal else differ).add(name)
     return same, differ

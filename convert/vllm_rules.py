@@ -60,12 +60,18 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
         if bad:
             pf.problems.append(f"vLLM does not apply LoRA to {', '.join(bad)} on {arch_name} "
                                f"(it accepts {', '.join(arch.vllm_lora_modules)}): {MERGE_HINT}")
-    pf.drop_tensors, differ = saved_base_layers(adapter, base)
-    for name in sorted(differ):
-        pf.problems.append(f"the adapter carries its own copy of {name} (a resized or retrained embedding), "
-                           f"which vLLM ignores: {MERGE_HINT}")
-    if pf.drop_tensors:
-        pf.fixes.append(f"dropped saved base layers identical to the base ({', '.join(sorted(pf.drop_tensors))})")
+    if base is None:  # inspect on the adapter alone: whether saved layers equal the base is not known here
+        saved = sorted(n for n, o in adapter.replacement_origin.items() if o == "base_layer")
+        if saved:
+            pf.fixes.append(f"saved base layers ({', '.join(saved)}) are dropped when identical to the base "
+                            "(a resized or retrained embedding is refused)")
+    else:
+        pf.drop_tensors, differ = saved_base_layers(adapter, base)
+        for name in sorted(differ):
+            pf.problems.append(f"the adapter carries its own copy of {name} (a resized or retrained embedding), "
+                               f"which vLLM ignores: {MERGE_HINT}")
+        if pf.drop_tensors:
+            pf.fixes.append(f"dropped saved base layers identical to the base ({', '.join(sorted(pf.drop_tensors))})")
     if isinstance(cfg.get("target_modules"), str):
         pf.fixes.append(f"target_modules regex {cfg['target_modules']!r} written as the list of adapted modules")
     if cfg.get("fan_in_fan_out"):

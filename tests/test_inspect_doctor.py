@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tuneport
+from tuneport.toolkit.tiny import VARIANTS
 
 
 def inspect_json(cli, path) -> dict:
@@ -93,3 +96,18 @@ def test_console_script_and_hub_offline(tmp_path):
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 2, proc.stderr
     assert "HF_HUB_OFFLINE" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_inspect_and_export_agree(zoo, tmp_path, cli, arch, variant):
+    """inspect's verdicts run the exporters' own rules: what it suggests works, what it refuses is refused."""
+    adapter, base = zoo.adapter(arch, variant), zoo.base_for(arch, variant)
+    engines = inspect_json(cli, adapter)["engines"]
+    suggested = "tuneport export --target gguf --adapters separate" in engines["llama.cpp"]["reason"]
+    code, _, err = cli("export", "--base", base, "--adapter", adapter, "--target", "gguf", "--adapters", "separate",
+                       "--quant", "f32", "--out", tmp_path / "gguf")
+    assert (code == 0) == suggested, (engines["llama.cpp"]["reason"], err)
+    code, _, err = cli("export", "--base", base, "--adapter", adapter, "--target", "vllm", "--adapters", "separate",
+                       "--out", tmp_path / "vllm")
+    assert (code == 0) == engines["vllm"]["loads"], (engines["vllm"]["reason"], err)
