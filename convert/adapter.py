@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import Checkpoint, resolve_hub_path
 from .errors import UserError
+from .options import model_name
 from .safetensors_file import SafetensorsFile
 
 PEFT_PREFIX = "base_model.model."
@@ -225,6 +226,7 @@ def resolve_adapter_path(spec: str | Path, allow_pickle: bool = False) -> Path:
 
 def load_adapter(path: str | Path, name: str | None = None, allow_pickle: bool = False) -> Adapter:
     """Read and normalize a PEFT adapter directory (or hub id); refuse what cannot be applied faithfully."""
+    name = name or model_name(path)  # a hub id's name, not its snapshot's hash
     path = resolve_adapter_path(path, allow_pickle)
     if not path.is_dir():
         raise UserError(f"adapter {path} does not exist or is not a directory", "pass a PEFT adapter directory")
@@ -239,7 +241,7 @@ def load_adapter(path: str | Path, name: str | None = None, allow_pickle: bool =
                 f"adapter {path} has NaN or Inf values in {key}",
                 "training diverged: use an earlier checkpoint or lower the learning rate",
             )
-    adapter = Adapter(path=path, name=name or path.name, config=cfg, file=file)
+    adapter = Adapter(path=path, name=name, config=cfg, file=file)
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     adapter.dtype = floats[0] if floats else torch.float32
     _parse_tensors(adapter, tensors)

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 from .arch import arch_for
 from .errors import UserError
-from .options import ExportOptions, ExportResult, MergeOptions, coerce_options
+from .options import AdapterSpec, ExportOptions, ExportResult, MergeOptions, coerce_options
 
 if TYPE_CHECKING:  # the table is imported by the CLI's --help: nothing heavy at import time
     from .checkpoint import Checkpoint
+    from .merge import WeightedAdapter
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, current item)
 
@@ -82,6 +83,29 @@ def check_base(ckpt: Checkpoint, target: str) -> None:
     """Raise the first reason ``target`` cannot be exported from ``ckpt`` (exporters and ``inspect`` ask this)."""
     for check in TARGETS[target].checks if target in TARGETS else (unquantized,):
         check(ckpt)
+
+
+def load_weighted(adapters: list[AdapterSpec], allow_pickle: bool = False) -> list[WeightedAdapter]:
+    from .adapter import load_adapter
+    from .merge import WeightedAdapter
+
+    loaded = [WeightedAdapter(load_adapter(a.path, a.name, allow_pickle), a.weight) for a in adapters]
+    names = [w.adapter.name for w in loaded]
+    if len(set(names)) != len(names):
+        raise UserError(f"two adapters share the name {names}", "name them: --adapter NAME=PATH")
+    return loaded
+
+
+def open_inputs(opts: MergeOptions, target: str) -> tuple[Checkpoint, list[WeightedAdapter]]:
+    """What every writer starts with: the output path free (or --force), the base opened and fit for
+    ``target``, the adapters loaded."""
+    from .checkpoint import Checkpoint
+    from .io import check_output_path
+
+    check_output_path(opts.out, opts.force)
+    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
+    check_base(ckpt, target)
+    return ckpt, load_weighted(opts.adapters, opts.allow_pickle)
 
 
 def base_refusal(ckpt: Checkpoint, target: str) -> str | None:

@@ -6,24 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
-from .adapter import load_adapter
-from .checkpoint import SIDE_FILES, Checkpoint
-from .errors import UserError
-from .export import Progress, check_base
-from .io import ShardedSafetensorsWriter, atomic_dir, check_output_path
+from .checkpoint import SIDE_FILES
+from .export import Progress, open_inputs
+from .io import ShardedSafetensorsWriter, atomic_dir
 from .manifest import input_entries, write_manifest
-from .merge import MergePlan, WeightedAdapter, merge_one, plan_merge
-from .options import DEFAULT_SHARD_BYTES, AdapterSpec, ExportOptions, ExportResult, MergeOptions
+from .merge import MergePlan, merge_one, plan_merge
+from .options import DEFAULT_SHARD_BYTES, ExportOptions, ExportResult, MergeOptions
 
 TOKENIZER_FILES = tuple(f for f in SIDE_FILES if f != "generation_config.json")
-
-
-def load_weighted(adapters: list[AdapterSpec], allow_pickle: bool = False) -> list[WeightedAdapter]:
-    loaded = [WeightedAdapter(load_adapter(a.path, a.name, allow_pickle), a.weight) for a in adapters]
-    names = [w.adapter.name for w in loaded]
-    if len(set(names)) != len(names):
-        raise UserError(f"two adapters share the name {names}", "name them: --adapter NAME=PATH")
-    return loaded
 
 
 def write_merged(plan: MergePlan, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -62,10 +52,8 @@ def copy_side_files(plan: MergePlan, out: Path) -> None:
 
 def merge_to_dir(opts: MergeOptions, target: str, progress: Progress | None = None) -> ExportResult:
     """Merge ``opts.adapters`` into ``opts.base`` and write a complete HF directory at ``opts.out``, atomically."""
-    check_output_path(opts.out, opts.force)
-    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
-    check_base(ckpt, target)
-    plan = plan_merge(ckpt, load_weighted(opts.adapters, opts.allow_pickle), opts.dtype)
+    ckpt, loaded = open_inputs(opts, target)
+    plan = plan_merge(ckpt, loaded, opts.dtype)
     with atomic_dir(opts.out, force=opts.force) as tmp:
         hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
         manifest = write_manifest(

@@ -15,12 +15,12 @@ from .adapter import PEFT_PREFIX, Adapter
 from .arch import arch_for
 from .checkpoint import Checkpoint
 from .errors import UserError
-from .export import Progress, check_base
-from .export_hf import load_weighted, write_merged
-from .io import atomic_dir, check_output_path
+from .export import Progress, open_inputs
+from .export_hf import write_merged
+from .io import atomic_dir
 from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge
-from .options import ExportOptions, ExportResult
+from .options import ExportOptions, ExportResult, model_name
 from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
 
 LAUNCH_JSON = "vllm_launch.json"
@@ -109,11 +109,8 @@ def check_for_vllm(base: Checkpoint, adapters: list[WeightedAdapter],
 
 def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
     """Write a bundle vLLM serves as is: the merged model, or the base plus one directory per adapter."""
-    check_output_path(opts.out, opts.force)
-    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
-    check_base(ckpt, "vllm")
-    loaded = load_weighted(opts.adapters, opts.allow_pickle)
-    served = Path(ckpt.spec).name or "base"
+    ckpt, loaded = open_inputs(opts, "vllm")
+    served = model_name(ckpt.spec)
     vllm_dtype = VLLM_DTYPES.get(opts.dtype)
     serve_note = f"serve it with: {opts.out / LAUNCH_SH}"
     if opts.adapter_mode == "merge":

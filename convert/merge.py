@@ -13,10 +13,11 @@ import torch
 from .adapter import Adapter
 from .checkpoint import Checkpoint
 from .errors import UserError
+from .options import check_choice
 from .tensors import TensorMeta
 
-OUT_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-              "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# --dtype (options.DTYPES) -> the output dtype; auto keeps each tensor's own
+OUT_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -56,8 +57,7 @@ def _mismatch(adapter: Adapter, tensor: str, base_shape, adapter_shape) -> UserE
 
 def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "auto") -> MergePlan:
     """Check every adapter against the base and decide the output; raises UserError on a misfit."""
-    if dtype not in OUT_DTYPES:
-        raise UserError(f"unknown --dtype {dtype!r}", "use auto, bf16, fp16 or fp32")
+    check_choice("--dtype", dtype, tuple(OUT_DTYPES))
     plan = MergePlan(base, adapters, OUT_DTYPES[dtype])
     arch = base.arch
     embed = f"{arch.embed}.weight" if arch else "model.embed_tokens.weight"

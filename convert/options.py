@@ -28,6 +28,14 @@ def coerce_options(cls: type[Options], given: Options | None, fields: dict) -> O
     return given if given is not None else cls(**fields)
 
 
+def model_name(spec: str | Path) -> str:
+    """What a model or adapter is called, from what the user gave (not where it was downloaded to): a GGUF
+    file's stem, a directory's name, a hub id's last part."""
+    path = Path(spec).expanduser()
+    path = path if path.name else path.resolve()  # "." or "..": the directory's own name
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def check_choice(option: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UserError(f"unknown {option} {value!r}", f"use one of {', '.join(choices)}")

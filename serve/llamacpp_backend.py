@@ -25,13 +25,12 @@ from tuneport.convert.export import export
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.io import cache_dir, content_digest, write_once
-from tuneport.convert.options import ExportOptions
+from tuneport.convert.options import ExportOptions, model_name
 
 from .contract import Backend, Kind, Usage, number
 from .engines.llamacpp import GenerationRequest, LlamaCppEngine
 from .errors import ApiError
 from .http import SSE_DONE, sse
-from .options import served_name
 from .pool import PoolError
 
 
@@ -41,7 +40,7 @@ class LlamaCppBackend(Backend):
 
     def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
                  n_ctx: int = 2048, workers: int = 2, kv_f32: bool = False, dtype: str = "auto") -> None:
-        name = served_name(str(base))  # from what the user gave: a hub id's name, not its snapshot's hash
+        name = model_name(base)  # from what the user gave: a hub id's name, not its snapshot's hash
         base = resolve_model_path(base)
         self.hf_base: Path | None = None
         if base.is_dir():
@@ -115,7 +114,7 @@ class LlamaCppBackend(Backend):
         out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}.gguf"
         if not out.exists():
             try:
-                ck = Checkpoint(self.hf_base)
+                ck = Checkpoint(self.hf_base)  # its own reader: conversions run in parallel threads
                 arch = arch_for(ck.model_type)
                 lora = build_gguf_lora(load_adapter(adapter_dir), ck, arch)
             except UserError as e:

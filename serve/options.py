@@ -6,7 +6,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
-from tuneport.convert.options import DTYPES, check_choice
+from tuneport.convert.options import DTYPES, AdapterSpec, check_choice, model_name
 
 from .pool import check_name
 from .registry import ENGINES
@@ -19,30 +19,22 @@ def option_flag(field_name: str) -> str:
     return "arguments after --" if field_name == "vllm_args" else "--" + field_name.replace("_", "-")
 
 
-def served_name(base: str) -> str:
-    """The name a base is served under (``model`` in requests): the GGUF file's stem, the directory's name
-    or the hub id's last part."""
-    path = Path(base)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
 def parse_named(specs: list[str] | dict[str, str | Path]) -> dict[str, str]:
     """``NAME=PATH`` specs (or a ``{name: path}`` dict) as ``{name: path}``; a bare PATH is named after
-    its file stem (``.gguf``) or directory. PATH may be a hub id."""
+    it (``model_name``). PATH may be a hub id. Weights (``PATH:WEIGHT``) belong to merges: refused here."""
     if isinstance(specs, dict):
-        pairs = [(str(k), str(v)) for k, v in specs.items()]
+        parsed = [AdapterSpec(Path(v).expanduser(), 1.0, str(k)) for k, v in specs.items()]
     else:
-        pairs = []
-        for spec in specs:
-            name, sep, path = str(spec).partition("=")
-            if not sep:
-                path, name = spec, Path(spec).stem if str(spec).endswith(".gguf") else Path(spec).name
-            pairs.append((name, path))
+        parsed = [AdapterSpec.parse(str(spec)) for spec in specs]
     out: dict[str, str] = {}
-    for name, path in pairs:
+    for a in parsed:
+        name = a.name or model_name(a.path)
+        if a.weight != 1.0:
+            raise UserError(f"adapter {name} has a weight ({a.weight:g}): weights apply when merging",
+                            "serve NAME=PATH, and mix adapters per request with 'adapters' (llama.cpp)")
         if check_name(name) in out:
             raise UserError(f"two adapters are named {name!r}", "give each --adapter its own NAME=")
-        out[name] = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+        out[name] = str(a.path)
     return out
 
 

@@ -36,13 +36,19 @@ def _base(opts: ServeOptions) -> tuple[Path, str]:
     return path, artifact_format(path)
 
 
+def _load(opts: ServeOptions):
+    """The expected load (``serve.policy.ServeLoad``): what the engine choice and the memory plan size for."""
+    from .policy import ServeLoad
+
+    return ServeLoad(concurrency=opts.concurrency, context_len=opts.max_model_len or opts.n_ctx,
+                     n_adapters=len(opts.adapters) + (1 if opts.adapter_dir else 0))
+
+
 def _auto(opts: ServeOptions, path: Path, fmt: str) -> EngineDecision:
     """What ``--engine auto`` chooses for this base on this machine (the policy's rule table)."""
     from . import policy
 
-    load = policy.ServeLoad(concurrency=opts.concurrency, context_len=opts.max_model_len or opts.n_ctx,
-                            n_adapters=len(opts.adapters) + (1 if opts.adapter_dir else 0))
-    return policy.choose_engine(policy.ArtifactInfo(str(path), fmt), policy.detect_hardware(), load,
+    return policy.choose_engine(policy.ArtifactInfo(str(path), fmt), policy.detect_hardware(), _load(opts),
                                 policy.installed_engines())
 
 
@@ -209,9 +215,7 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
         auto = policy.EngineDecision("", f"auto would refuse: {e.line()}")
     engine = auto.engine if opts.engine == "auto" else opts.engine
     check_engine(opts, engine, fmt, starting=False)
-    artifact = policy.describe_artifact(path)
-    load = policy.ServeLoad(concurrency=opts.concurrency, context_len=opts.max_model_len or opts.n_ctx,
-                            n_adapters=len(opts.adapters) + (1 if opts.adapter_dir else 0))
+    artifact, load = policy.describe_artifact(path), _load(opts)
     startup = [resolve_adapter_path(p) for p in opts.adapters.values()]
     plans, notes = {}, []
     vllm_plan = None

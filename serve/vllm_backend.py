@@ -23,13 +23,13 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.export_vllm import VLLM_DTYPES, write_vllm_adapter
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
+from tuneport.convert.options import model_name
 from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
 
 from .contract import Backend, Kind, Usage
 from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
 from .errors import ApiError
 from .http import error_message
-from .options import served_name
 from .pool import PoolError, check_name
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
 
@@ -54,7 +54,7 @@ class VllmPlan:
         self.opts, self.write = opts, write
         self.ckpt = Checkpoint(resolve_model_path(opts.base))
         self.arch = arch_for(self.ckpt.model_type)
-        self.name = served_name(opts.base)
+        self.name = model_name(opts.base)
         self.bugs = bugs_that_apply()
         self.guard = opts.vllm_base_guard == "on" or (opts.vllm_base_guard == "auto" and bool(self.bugs))
         # start-up adapters: where the user has them, and the directory vLLM loads (a fixed copy when needed)

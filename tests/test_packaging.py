@@ -70,3 +70,10 @@ def test_wheel_installs_into_a_fresh_venv(wheel, tmp_path):
     for bare in ("convert", "serve", "toolkit"):
         r = run(str(py), "-c", f"import {bare}")
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (bare, r.stdout, r.stderr)
+
+
+def test_import_tuneport_is_light():
+    """`import tuneport` (and so `tuneport --help`) loads neither torch nor the web stack."""
+    code = "import sys, tuneport; print(sorted(m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"

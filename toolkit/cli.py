@@ -38,6 +38,7 @@ AdapterMode = _choices("AdapterMode", ADAPTER_MODES)
 DType = _choices("DType", DTYPES)
 EngineChoice = _choices("EngineChoice", ("auto", *ENGINES))
 BaseGuard = _choices("BaseGuard", ("auto", "on", "off"))
+TARGET_HELP = "What to produce. " + "; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values())
 LogLevel = _choices("LogLevel", ("debug", "info", "warning", "error"))
 
 
@@ -108,7 +109,7 @@ def merge(
 @app.command()
 def export(
     base: Annotated[str, typer.Option("--base", help="HF model dir or hub id")],
-    target: Annotated[Target, typer.Option("--target", help="What to produce")],
+    target: Annotated[Target, typer.Option("--target", help=TARGET_HELP)],
     out: Annotated[Path, typer.Option("--out", help="Output directory (written atomically)")],
     adapter: Annotated[list[str] | None, typer.Option("--adapter", help="[NAME=]PATH[:WEIGHT]; repeatable")] = None,
     adapters: Annotated[AdapterMode, typer.Option("--adapters", help="Merge adapters or keep them separate")]
@@ -122,8 +123,7 @@ def export(
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Export for an engine: safetensors (merged HF dir), vllm (merged, or base + vLLM-ready adapters),
-    gguf (llama.cpp model per --quant type, GGUF LoRAs with --adapters separate, Ollama Modelfiles)."""
+    """Export for an engine (see --target); each target refuses the options it does not honour."""
     from tuneport.convert.export import export as run
     from tuneport.convert.options import ExportOptions
 

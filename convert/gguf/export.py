@@ -8,13 +8,12 @@ from pathlib import Path
 import torch
 
 from ..arch import arch_for
-from ..checkpoint import Checkpoint
-from ..export import Progress, check_base
-from ..export_hf import copy_side_files, load_weighted
-from ..io import atomic_dir, check_output_path
+from ..export import Progress, open_inputs
+from ..export_hf import copy_side_files
+from ..io import atomic_dir
 from ..manifest import input_entries, write_manifest
 from ..merge import merge_one, plan_merge
-from ..options import ExportOptions, ExportResult
+from ..options import ExportOptions, ExportResult, model_name
 from .lora import build_gguf_lora, write_gguf_lora
 from .model import GGUFModelPlan, plan_gguf_model, write_gguf_models
 from .modelfile import modelfile
@@ -33,13 +32,10 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
     """Write ``out/<name>-<QUANT>.gguf`` for every type (one conversion feeds them all), GGUF LoRAs under
     ``adapters/`` for ``--adapters separate``, a Modelfile per model/adapter, and manifest.json."""
     mode, out = opts.adapter_mode, opts.out
-    check_output_path(out, opts.force)
     quants = parse_quant_list(opts.quant)
-    ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
-    check_base(ckpt, "gguf")
+    ckpt, loaded = open_inputs(opts, "gguf")
     arch = arch_for(ckpt.model_type)
-    loaded = load_weighted(opts.adapters, opts.allow_pickle)
-    name = opts.name or Path(ckpt.spec).name or "model"
+    name = opts.name or model_name(ckpt.spec)
     if mode == "merge" or not loaded:
         plan = plan_merge(ckpt, loaded if mode == "merge" else [])
         loras = []
