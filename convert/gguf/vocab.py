@@ -19,13 +19,15 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Byte-level BPE pre-tokenizers llama.cpp knows, identified by the tokenizer's own Split regexes.
-# () = ByteLevel with use_regex=True and no Split (GPT-2's built-in regex).
-BPE_PRE_BY_SPLITS: dict[tuple[str, ...], str] = {
-    (QWEN2_SPLIT,): "qwen2",
-    (LLAMA3_SPLIT,): "llama-bpe",
-    (): "gpt-2",
+# Byte-level BPE pre-tokenizers llama.cpp knows, by the HF steps that run before ByteLevel (with
+# use_regex=True, GPT-2's built-in regex): ("Split", regex) or ("Digits", individual_digits).
+BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
+    "qwen2": (("Split", QWEN2_SPLIT),),
+    "llama-bpe": (("Split", LLAMA3_SPLIT),),
+    "gpt-2": (),
+    "smollm": (("Digits", True),),  # SmolLM/SmolLM2 (llama.cpp: \p{N} split, then GPT-2's regex)
 }
+BPE_PRE_BY_STEPS = {steps: name for name, steps in BPE_PRE_STEPS.items()}
 KNOWN_BPE_PRE = ("qwen2", "llama-bpe", "llama3", "gpt-2", "default", "deepseek-llm", "deepseek-coder",
                  "falcon", "mpt", "starcoder", "refact", "command-r", "smollm", "tekken", "gpt-4o", "olmo", "dbrx")
 
@@ -116,19 +118,35 @@ def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
     return vocab
 
 
-def bpe_pre_from_tokenizer_json(tj: dict) -> str | None:
-    """Name llama.cpp gives this tokenizer's pre-tokenizer, or None when it cannot be identified."""
+def _pre_steps(tj: dict) -> tuple[list[dict], tuple[tuple, ...]]:
     pre = tj.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    splits = tuple(s["pattern"].get("Regex", "") for s in steps if s.get("type") == "Split")
-    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    key = tuple(("Split", s["pattern"].get("Regex", "")) if s.get("type") == "Split"
+                else ("Digits", bool(s.get("individual_digits"))) if s.get("type") == "Digits"
+                else (s.get("type"),) for s in steps if s.get("type") != "ByteLevel")
+    return [s for s in steps if s.get("type") == "ByteLevel"], key
+
+
+def bpe_pre_from_tokenizer_json(tj: dict) -> str | None:
+    """Name llama.cpp gives this tokenizer's pre-tokenizer, or None when it cannot be identified."""
+    byte_level, key = _pre_steps(tj)
     if not byte_level:
         return None
-    if not splits and not byte_level[0].get("use_regex", True):
+    if not key and not byte_level[0].get("use_regex", True):
         return None
     if tj.get("normalizer") not in (None, {}) and (tj.get("normalizer") or {}).get("type") != "NFC":
         return None
-    return BPE_PRE_BY_SPLITS.get(splits)
+    return BPE_PRE_BY_STEPS.get(key)
+
+
+def hf_pre_tokenizer(pre: str, byte_level: dict) -> dict | None:
+    """The HF ``pre_tokenizer`` for llama.cpp's ``pre`` name (steps, then ``byte_level``), if known."""
+    steps = BPE_PRE_STEPS.get(pre)
+    if steps is None:
+        return None
+    hf = [{"type": "Split", "pattern": {"Regex": arg}, "behavior": "Isolated", "invert": False}
+          if kind == "Split" else {"type": "Digits", "individual_digits": arg} for kind, arg in steps]
+    return {"type": "Sequence", "pretokenizers": [*hf, byte_level]} if hf else byte_level
 
 
 def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None) -> GGUFVocab:
