@@ -216,11 +216,13 @@ class LlamaCppBackend(Backend):
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        if body.get("return_token_ids"):  # extension: the generated token ids
+        extra = {}
+        if body.get("return_token_ids"):  # vLLM's extension: the prompt's and the answer's token ids
             choice["token_ids"] = ids
+            extra["prompt_token_ids"] = req.prompt_tokens
         return {"id": _response_id(kind), "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": body.get("model") or self.name, "choices": [choice],
-                "usage": usage.as_dict()}
+                "usage": usage.as_dict(), **extra}
 
     async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
         req, adapters, stops = self._start(kind, body, usage)
