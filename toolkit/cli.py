@@ -216,12 +216,20 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes")] = Path("demo-out"),
-    force: Annotated[bool, typer.Option("--force", help="Start over if --out exists")] = True,
+    tiny: Annotated[bool, typer.Option("--tiny", help="The fast offline demo on generated tiny models")] = False,
+    force: Annotated[bool, typer.Option("--force/--keep", help="Start over if --out exists")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="The demo's report on stdout (its story on stderr)")] = False,
 ) -> None:
-    """Build a tiny base and two adapters, merge one, export for vLLM and GGUF, serve, inspect each."""
-    from .demo import run_demo
+    """SmolLM2-135M-Instruct from the package index and two LoRAs trained on the spot: merge, export GGUF and
+    vLLM, measure each file in llama.cpp, serve all three through the gateway (--tiny: offline, tiny models)."""
+    from .demo import DemoOptions, run_demo
+    from .progress import stdout
 
-    run_demo(out, force)
+    if as_json:
+        stdout.file = sys.stderr
+    report = run_demo(DemoOptions(out=out, tiny=tiny, force=force))
+    if as_json:
+        sys.stdout.write(json.dumps(report, default=str) + "\n")
 
 
 def _is_usage_error(e: BaseException) -> bool:

@@ -1,4 +1,4 @@
-"""``tuneport demo``: the main job end to end on a built-in tiny model, in a few seconds.
+"""``tuneport demo --tiny``: the main job end to end on a built-in tiny model, offline, in a few seconds.
 
 Builds a tiny llama base and two PEFT adapters, merges one (and checks the merged model against PEFT),
 exports the other for vLLM as base + adapter, exports the base to GGUF Q8_0 with both adapters as GGUF
@@ -11,18 +11,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rich.console import Console
-
 from tuneport.convert.export import export, merge
 from tuneport.convert.export_vllm import LAUNCH_SH
 from tuneport.serve.run import serve
 
 from .inspect import format_report, inspect_path
+from .progress import stdout
 
-console = Console()
+console = stdout
 
 
-def run_demo(out: Path, force: bool = True) -> dict:
+def run_tiny_demo(out: Path, force: bool = True) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
