@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tuneport.convert.errors import UserError
-from tuneport.convert.gguf.lora import check_gguf_lora
-from tuneport.convert.gguf.read import gguf_field, open_gguf, tensor_shapes
+from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, tensor_shapes
 from tuneport.convert.gguf.runtime import llamacpp_logging
 
 
