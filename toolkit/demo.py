@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tuneport.convert.export import export, merge
 
-from .progress import stdout, step_progress, working
+from .progress import byte_progress, stdout, step_progress, working
 from .smollm.package import SMOLLM2, PackageUnavailable, fetch_model_file
 from .smollm.styles import DEMO_QUESTIONS, STYLES
 from .smollm.train import TrainConfig, train_lora
@@ -146,10 +146,12 @@ class RealDemo:
 
         console.rule("[bold]3. tuneport merge: base + pirate -> one HF model")
         merged = self.out / "merged-pirate"
-        merge(base=self.base, adapters=[self.adapters["pirate"]], out=merged)
-        ids = chat_ids(self.base, DEMO_QUESTIONS)
-        got = [logits(load_hf(merged), t)[0] for t in ids]
-        cmp = compare_logits(*_cat(reference_logits(self.base, self.adapters["pirate"], ids), got))
+        with byte_progress("merging") as progress:
+            merge(base=self.base, adapters=[self.adapters["pirate"]], out=merged, progress=progress)
+        with working("comparing the merged model with PEFT"):
+            ids = chat_ids(self.base, DEMO_QUESTIONS)
+            got = [logits(load_hf(merged), t)[0] for t in ids]
+            cmp = compare_logits(*_cat(reference_logits(self.base, self.adapters["pirate"], ids), got))
         console.print(f"wrote {merged}", soft_wrap=True)
         console.print(f"fidelity vs PEFT (fp32, the demo's chat prompts): max |Δlogit| = {cmp.max_abs:.2e}, "
                       f"KL = {cmp.kl:.2e}, top-1 agreement = {cmp.top1:.0%}")
@@ -160,8 +162,10 @@ class RealDemo:
     def export_gguf(self) -> None:
         console.rule("[bold]4. tuneport export --target gguf --adapters separate")
         gguf = self.out / "gguf"
-        details = export(base=self.base, adapters=[f"{n}={p}" for n, p in self.adapters.items()], target="gguf",
-                         adapter_mode="separate", quant=",".join(self.opts.quants), name=MODEL_NAME, out=gguf).details
+        with byte_progress("writing GGUF") as progress:
+            details = export(base=self.base, adapters=[f"{n}={p}" for n, p in self.adapters.items()], target="gguf",
+                             adapter_mode="separate", quant=",".join(self.opts.quants), name=MODEL_NAME, out=gguf,
+                             progress=progress).details
         self.gguf = {"dir": gguf, "models": {q: gguf / f for q, f in details["models"].items()},
                      "loras": {n: gguf / f for n, f in details["loras"].items()}}
         self.report["gguf"] = {"dir": str(gguf), "models": {q: str(p) for q, p in self.gguf["models"].items()},
@@ -173,7 +177,8 @@ class RealDemo:
             return
         from .demo_checks import gguf_fidelity
 
-        rows = gguf_fidelity(self.base, self.adapters, self.gguf["models"], self.gguf["loras"], DEMO_QUESTIONS)
+        with working("running each file in llama.cpp against transformers + PEFT"):
+            rows = gguf_fidelity(self.base, self.adapters, self.gguf["models"], self.gguf["loras"], DEMO_QUESTIONS)
         console.print(f"wrote {gguf}: " + ", ".join(p.name for p in self.gguf["models"].values()) + ", "
                       + ", ".join(f"adapters/{p.name}" for p in self.gguf["loras"].values()) + ", "
                       + ", ".join(p.name for p in sorted(gguf.glob("Modelfile*"))), soft_wrap=True)
@@ -191,8 +196,9 @@ class RealDemo:
 
         console.rule("[bold]5. tuneport export --target vllm --adapters separate")
         bundle = self.out / "vllm"
-        res = export(base=self.base, adapters=[f"{n}={p}" for n, p in self.adapters.items()], target="vllm",
-                     adapter_mode="separate", out=bundle)
+        with byte_progress("writing the vLLM bundle") as progress:
+            res = export(base=self.base, adapters=[f"{n}={p}" for n, p in self.adapters.items()], target="vllm",
+                         adapter_mode="separate", out=bundle, progress=progress)
         console.print(f"wrote {bundle}: the base, adapters/pirate, adapters/json; vLLM starts it with "
                       f"{bundle / LAUNCH_SH}", soft_wrap=True)
         for name, fixes in res.fixes.items():
@@ -209,8 +215,9 @@ class RealDemo:
         console.rule("[bold]6. tuneport serve: one base, both adapters, one OpenAI-compatible gateway")
         console.print(f"{model_file.name} in llama.cpp; each request picks its adapter by model name; greedy",
                       soft_wrap=True)
-        answers = ask_each(model_file, self.gguf["loras"], DEMO_QUESTIONS, kv_f32=self.opts.kv_f32,
-                           max_tokens=self.opts.max_tokens)
+        with working("starting the server and asking each model"):
+            answers = ask_each(model_file, self.gguf["loras"], DEMO_QUESTIONS, kv_f32=self.opts.kv_f32,
+                               max_tokens=self.opts.max_tokens)
         table = Table("question", "model=base", "model=pirate", "model=json", show_lines=True)
         for q in DEMO_QUESTIONS:
             table.add_row(q, *(answers[m][q]["text"] for m in ("base", "pirate", "json")))
