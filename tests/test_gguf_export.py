@@ -307,3 +307,17 @@ def test_merge_with_resized_vocab_and_added_tokens(zoo, tmp_path, cli, arch):
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok(text, add_special_tokens=False).input_ids
     finally:
         llm.close()
+
+
+def test_modelfile_system_is_the_templates_default_system_prompt():
+    from tuneport.convert.gguf.modelfile import modelfile
+
+    chatml = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}{{ '<|im_start|>system\\n"
+              "You are Smol.<|im_end|>\\n' }}{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert 'SYSTEM """You are Smol."""' in modelfile("m.gguf", chatml)[0]
+    plain = chatml.replace("{% if loop.first and m['role'] != 'system' %}", "{% if false %}")
+    assert "SYSTEM" not in modelfile("m.gguf", plain)[0]
+    failing = "{{ raise_exception('no') }}<|im_start|><|im_end|>"
+    text, warning = modelfile("m.gguf", failing)
+    assert "SYSTEM" not in text and "TEMPLATE" in text and warning is None

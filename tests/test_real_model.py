@@ -8,6 +8,7 @@ Runs cold (the test cache is empty): download, HF base, two trainings, exports, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,29 @@ def test_chat_template_renders_the_same_tokens(demo, tokenizer):
         for messages in CHATS:
             assert server.backend.render_chat(messages) == tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"], messages
+
+
+def _ollama_prompt(template: str, system: str, prompt: str) -> str:
+    """Ollama's rendering of a one-turn chat up to the answer, for the Go templates tuneport writes
+    (``{{ if .X }}…{{ end }}`` and ``{{ .X }}``)."""
+    values = {"System": system, "Prompt": prompt}
+    text = template.split("{{ .Response }}")[0]
+    text = re.sub(r"\{\{ if \.(\w+) \}\}(.*?)\{\{ end \}\}", lambda m: m.group(2) if values[m.group(1)] else "",
+                  text, flags=re.S)
+    return re.sub(r"\{\{ \.(\w+) \}\}", lambda m: values[m.group(1)], text)
+
+
+def test_modelfile_renders_what_the_chat_template_renders(demo, tokenizer):
+    """SmolLM2's template adds a default system prompt: the Modelfile carries it as SYSTEM, so Ollama's
+    prompt equals transformers' with and without a system message."""
+    text = (Path(demo["gguf"]["dir"]) / "Modelfile.pirate").read_text()
+    template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
+    system = re.search(r'SYSTEM """(.*?)"""', text, re.S).group(1)
+    assert "SmolLM" in system
+    question = "What do plants need to grow?"
+    hf = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                       tokenize=False)
+    assert _ollama_prompt(template, system, question) == hf
+    with_system = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": question}]
+    hf = tokenizer.apply_chat_template(with_system, add_generation_prompt=True, tokenize=False)
+    assert _ollama_prompt(template, "Be terse.", question) == hf
