@@ -97,3 +97,12 @@ def test_smollm_pre_tokenizer_round_trip():
     not_individual = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": False}, byte_level]}
     assert bpe_pre_from_tokenizer_json({"pre_tokenizer": not_individual}) is None
     assert hf_pre_tokenizer("no-such-pre", byte_level) is None
+
+
+def test_demo_refuses_an_out_dir_it_did_not_write(tmp_path, cli):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    code, out, err = cli("demo", "--tiny", "--out", tmp_path / "mine")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [err.strip()] and "was not written by tuneport demo" in err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

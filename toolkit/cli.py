@@ -215,9 +215,9 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option("--out", help="Where the demo writes")] = Path("demo-out"),
+    out: Annotated[Path, typer.Option("--out", help="Where the demo writes (its earlier output is replaced)")
+                   ] = Path("demo-out"),
     tiny: Annotated[bool, typer.Option("--tiny", help="The fast offline demo on generated tiny models")] = False,
-    force: Annotated[bool, typer.Option("--force/--keep", help="Start over if --out exists")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="The demo's report on stdout (its story on stderr)")] = False,
 ) -> None:
     """SmolLM2-135M-Instruct from the package index and two LoRAs trained on the spot: merge, export GGUF and
@@ -227,7 +227,7 @@ def demo(
 
     if as_json:
         stdout.file = sys.stderr
-    report = run_demo(DemoOptions(out=out, tiny=tiny, force=force))
+    report = run_demo(DemoOptions(out=out, tiny=tiny))
     if as_json:
         sys.stdout.write(json.dumps(report, default=str) + "\n")
 

