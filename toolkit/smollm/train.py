@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tuneport.convert.io import write_once
@@ -29,7 +29,6 @@ class TrainConfig:
     learning_rate: float = 2e-3
     seed: int = 0
     threads: int = 2
-    extra: dict = field(default_factory=dict)
 
 
 def cache_key(base: Path, pairs: list[tuple[str, str]], config: TrainConfig) -> str:
@@ -94,12 +93,18 @@ def _train(base: Path, pairs: list[tuple[str, str]], config: TrainConfig, out: P
         torch.set_num_threads(threads)
 
 
+def adapter_dir(base: Path, pairs: list[tuple[str, str]], out_root: Path, name: str,
+                config: TrainConfig = TrainConfig()) -> Path:
+    """Where :func:`train_lora` keeps the adapter for this base, data and config."""
+    return out_root / f"{name}-{cache_key(base, pairs, config)}"
+
+
 def train_lora(base: Path, pairs: list[tuple[str, str]], out_root: Path, name: str,
                config: TrainConfig = TrainConfig(),
                progress: Callable[[int, int, float], None] | None = None) -> Path:
     """A PEFT LoRA adapter dir trained on ``pairs`` (question, answer); reused when one with the same base,
     data and config exists under ``out_root``."""
-    out = out_root / f"{name}-{cache_key(base, pairs, config)}"
+    out = adapter_dir(base, pairs, out_root, name, config)
     if not out.exists():
         log.info("training the %s adapter on %s", name, base)
     return write_once(out, lambda tmp: _train(base, pairs, config, tmp, progress))
