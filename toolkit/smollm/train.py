@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tuneport.convert.errors import UserError
 from tuneport.convert.io import write_once
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ def _examples(tok, pairs: list[tuple[str, str]]):
                                          tokenize=True, return_dict=True)["input_ids"]
         full = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
                                        tokenize=True, return_dict=True)["input_ids"]
-        assert full[: len(prompt)] == prompt, "the chat template renders the prompt differently in a longer chat"
+        if full[: len(prompt)] != prompt:
+            raise UserError("the chat template renders a prompt differently once an answer follows it",
+                            "train on a model whose chat template renders each turn the same way")
         answer = full[len(prompt):]
         answer = answer[: answer.index(tok.eos_token_id) + 1] if tok.eos_token_id in answer else answer
         out.append((prompt + answer, [-100] * len(prompt) + answer))
@@ -56,41 +59,55 @@ def _examples(tok, pairs: list[tuple[str, str]]):
 
 def _train(base: Path, pairs: list[tuple[str, str]], config: TrainConfig, out: Path,
            progress: Callable[[int, int, float], None] | None) -> None:
+    """Train with ``config.threads`` threads and a seeded generator; the caller's settings are restored."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(config.seed)
+            _train_loop(base, pairs, config, out, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_loop(base: Path, pairs: list[tuple[str, str]], config: TrainConfig, out: Path,
+                progress: Callable[[int, int, float], None] | None) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(config.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
-        tok = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
-                                                 target_modules=list(config.target_modules), task_type="CAUSAL_LM"))
-        examples = _examples(tok, pairs)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-        gen = torch.Generator().manual_seed(config.seed)
-        model.train()
-        for step in range(config.steps):
-            idx = torch.randperm(len(examples), generator=gen)[: config.batch_size].tolist()
-            batch = [examples[i] for i in idx]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch])
-            labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            if progress:
-                progress(step + 1, config.steps, loss.item())
-        model.save_pretrained(out)
-    finally:
-        torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
+                                             target_modules=list(config.target_modules), task_type="CAUSAL_LM"))
+    examples = _examples(tok, pairs)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    gen = torch.Generator().manual_seed(config.seed)
+    model.train()
+    for step in range(config.steps):
+        idx = torch.randperm(len(examples), generator=gen)[: config.batch_size].tolist()
+        batch = [examples[i] for i in idx]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if progress:
+            progress(step + 1, config.steps, loss.item())
+    model.save_pretrained(out)
+
+
+def adapters_root(base: Path) -> Path:
+    """Where the adapters trained on ``base`` are cached (beside it: rebuilding the base drops them)."""
+    return base.parent / "adapters"
 
 
 def adapter_dir(base: Path, pairs: list[tuple[str, str]], out_root: Path, name: str,
