@@ -205,6 +205,34 @@ def serve(
 
 
 @app.command()
+def verify(
+    artifact: Annotated[Path, typer.Argument(metavar="ARTIFACT", help="The artifact to verify: a .gguf model file")],
+    reference: Annotated[str, typer.Option("--reference", help="The fine-tune's base: HF dir or hub id")],
+    adapter: Annotated[str | None, typer.Option("--adapter", help="The fine-tune's PEFT adapter (reference = "
+                                                "base + adapter)")] = None,
+    lora: Annotated[Path | None, typer.Option("--lora", help="A GGUF LoRA to run on ARTIFACT (its strength is "
+                                              "checked against --adapter)")] = None,
+    eval_file: Annotated[Path | None, typer.Option("--eval", help="Text to compare on (default: a built-in "
+                                                   "offline corpus)")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Eval tokens")] = 256,
+    gate: Annotated[list[str] | None, typer.Option("--gate", help="METRIC<=X, METRIC>=X or a check name; "
+                                                   "repeatable; exit 3 when one fails")] = None,
+    no_default_gates: Annotated[bool, typer.Option("--no-default-gates", help="Only the --gate given")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+) -> None:
+    """Run ARTIFACT in its own engine against the fp32 fine-tune: KL, top-1, perplexity ratio, greedy
+    agreement, LoRA strength, tokenizer / chat template / special token parity; exit 3 when a gate fails."""
+    from .verify import VerifyOptions, check_passed, format_report
+    from .verify import verify as run_verify
+
+    report = run_verify(VerifyOptions(artifact=artifact, reference=reference, adapter=adapter, lora=lora,
+                                      eval_file=eval_file, tokens=tokens, gates=list(gate or []),
+                                      default_gates=not no_default_gates))
+    emit(report.to_dict(), as_json, format_report(report))
+    check_passed(report)
+
+
+@app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Python, torch, which engines are importable, CUDA, versions."""
     from .doctor import doctor_report, format_doctor

@@ -33,15 +33,20 @@ from .serve.run import plan as serve_plan
 if TYPE_CHECKING:
     from .toolkit.doctor import doctor_report as doctor
     from .toolkit.inspect import inspect_path as inspect
+    from .toolkit.verify import VerifyOptions, VerifyReport, verify
 
 __all__ = [
     "AdapterSpec", "ExportOptions", "ExportResult", "FidelityError", "MergeOptions", "Server", "ServeOptions",
-    "UserError", "__version__", "doctor", "export", "inspect", "merge", "serve", "serve_plan",
+    "UserError", "VerifyOptions", "VerifyReport", "__version__", "doctor", "export", "inspect", "merge", "serve",
+    "serve_plan", "verify",
 ]
 
-# inspect and doctor read models with torch: imported on first use, so `import tuneport` stays light.
+# inspect, doctor and verify read models with torch: imported on first use, so `import tuneport` stays light.
 _LAZY = {"inspect": ("tuneport.toolkit.inspect", "inspect_path"),
-         "doctor": ("tuneport.toolkit.doctor", "doctor_report")}
+         "doctor": ("tuneport.toolkit.doctor", "doctor_report"),
+         "verify": ("tuneport.toolkit.verify", "verify"),
+         "VerifyOptions": ("tuneport.toolkit.verify", "VerifyOptions"),
+         "VerifyReport": ("tuneport.toolkit.verify", "VerifyReport")}
 
 
 def __getattr__(name: str):

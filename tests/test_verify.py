@@ -1,0 +1,176 @@
+"""``tuneport verify`` in llama.cpp: tuneport's own GGUF files and GGUF LoRA pass with the figures the export
+tests assert; defects made on purpose fail their gate with a message that names the cause; the CLI's
+JSON, exit codes 2 and 3; the reference is computed once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import tuneport
+from tuneport.toolkit.verify import Gate, VerifyOptions, verify
+
+pytestmark = pytest.mark.llamacpp
+
+
+@pytest.fixture(scope="module")
+def qwen(zoo, tmp_path_factory):
+    """The tiny qwen2 (byte-level BPE, hidden 256 for K-quants), an rsLoRA adapter, and their GGUF export."""
+    base, adapter = zoo.base("qwen2", wide=True), zoo.adapter("qwen2", "rslora", wide=True)
+    out = tmp_path_factory.mktemp("verify") / "gguf"
+    tuneport.export(base=base, adapters=[f"style={adapter}"], target="gguf", adapter_mode="separate",
+                    quant="f32,q8_0,q4_k_m", out=out)
+    return base, adapter, out, out / "adapters" / "style-F32.gguf"
+
+
+def _failed(report) -> dict[str, dict]:
+    return {g["gate"]: g for g in report.failures}
+
+
+@pytest.mark.parametrize(("quant", "gates", "limits"), [
+    ("F32", ["max_abs<=1e-3", "kl<=1e-8", "top1>=1", "greedy>=1"], {"max_abs": 1e-3, "strength_error": 1e-4}),
+    ("Q8_0", ["kl<=0.02", "top1>=0.85"], {"strength_error": 0.02}),
+    ("Q4_K_M", ["kl<=0.5", "strength_error<=0.25"], {"strength_error": 0.25}),
+])
+def test_own_gguf_and_lora_pass(qwen, quant, gates, limits):
+    base, adapter, out, lora = qwen
+    report = verify(artifact=out / f"{base.name}-{quant}.gguf", reference=base, adapter=adapter, lora=lora,
+                    gates=gates)
+    assert report.passed, report.failure_line()
+    assert {c: report.checks[c]["passed"] for c in report.checks} == {
+        "tokenizer": True, "chat_template": True, "special_tokens": True}
+    for metric, limit in limits.items():
+        assert report.metrics[metric] <= limit, (metric, report.metrics)
+    assert {g["gate"] for g in report.gates} >= {"tokenizer", "chat_template", "special_tokens",
+                                                  *(str(Gate.parse(g)) for g in gates)}
+
+
+def test_base_model_alone_is_exact(qwen):
+    base, _, out, _ = qwen
+    report = verify(artifact=out / f"{base.name}-F32.gguf", reference=base, gates=["max_abs<=1e-4"])
+    assert report.passed and report.metrics["strength"] is None
+    assert report.metrics["ppl_ratio"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_changed_chat_template_is_caught(qwen, tmp_path):
+    base, _, _, _ = qwen
+    other = tmp_path / "base"
+    shutil.copytree(base, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    template = config.get("chat_template") or (other / "chat_template.jinja").read_text()
+    changed = template.replace("<|im_start|>", "<|im_start|> ", 1)
+    if "chat_template" in config:
+        config["chat_template"] = changed
+        (other / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        (other / "chat_template.jinja").write_text(changed)
+    tuneport.export(base=other, target="gguf", quant="f32", name="changed", out=tmp_path / "gguf")
+    report = verify(artifact=tmp_path / "gguf" / "changed-F32.gguf", reference=base)
+    assert list(_failed(report)) == ["chat_template"]
+    assert "renders differently" in report.failure_line()
+
+
+def test_missing_chat_template_is_caught(qwen, tmp_path):
+    base, _, _, _ = qwen
+    other = tmp_path / "base"
+    shutil.copytree(base, other)
+    (other / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    tuneport.export(base=other, target="gguf", quant="f32", name="bare", out=tmp_path / "gguf")
+    report = verify(artifact=tmp_path / "gguf" / "bare-F32.gguf", reference=base)
+    assert "the artifact has no chat template" in _failed(report)["chat_template"]["detail"]
+
+
+def test_rslora_written_as_alpha_over_r_is_caught(qwen, tmp_path):
+    """The upstream converter's mistake: adapter.lora.alpha = lora_alpha for an rsLoRA adapter (llama.cpp
+    then scales by alpha/r instead of PEFT's alpha/sqrt(r)): a quarter of the strength at r=16."""
+    from gguf import GGUFReader
+
+    base, adapter, out, lora = qwen
+    wrong = tmp_path / "style-alpha-over-r.gguf"
+    shutil.copy(lora, wrong)
+    field = GGUFReader(wrong, "r+").fields["adapter.lora.alpha"]
+    assert field.parts[field.data[0]][0] == pytest.approx(8 * 16 ** 0.5)  # ours: alpha * sqrt(r)
+    field.parts[field.data[0]][0] = 8.0  # lora_alpha as it is
+    del field
+    report = verify(artifact=out / f"{base.name}-F32.gguf", reference=base, adapter=adapter, lora=wrong)
+    assert list(_failed(report)) == ["strength_error<=0.1"]
+    assert report.metrics["strength"] < 0.6  # a quarter of the weight delta; the logits are not linear in it
+    assert "LoRA strength" in report.failure_line()
+
+
+def test_merge_into_a_different_base_is_caught(qwen, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base, adapter, _, _ = qwen
+    other = tmp_path / "other-base"
+    shutil.copytree(base, other)
+    for f in other.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name in tensors:
+            if name.endswith("mlp.down_proj.weight"):
+                tensors[name] = tensors[name] * 1.5
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    tuneport.export(base=other, adapters=[str(adapter)], target="gguf", quant="f32", name="merged",
+                    out=tmp_path / "gguf")
+    report = verify(artifact=tmp_path / "gguf" / "merged-F32.gguf", reference=base, adapter=adapter,
+                    gates=["kl<=0.01"])
+    assert list(_failed(report)) == ["kl<=0.01"] and report.metrics["kl"] > 0.01
+    good = tmp_path / "good"
+    tuneport.export(base=base, adapters=[str(adapter)], target="gguf", quant="f32", name="merged", out=good)
+    assert verify(artifact=good / "merged-F32.gguf", reference=base, adapter=adapter, gates=["kl<=0.01"]).passed
+
+
+def test_wrong_pre_tokenizer_is_caught(qwen, tmp_path):
+    base, _, _, _ = qwen
+    tuneport.export(base=base, target="gguf", quant="f32", bpe_pre="gpt-2", name="gpt2pre", out=tmp_path / "gguf")
+    report = verify(artifact=tmp_path / "gguf" / "gpt2pre-F32.gguf", reference=base)
+    assert "tokenizer" in _failed(report)
+    assert "strings tokenize differently" in _failed(report)["tokenizer"]["detail"]
+
+
+def test_non_legacy_sentencepiece_differs_in_llamacpp(zoo, tmp_path):
+    """A real difference verify reports: the tiny llama's tokenizer is a non-legacy SentencePiece one (no
+    space after special tokens), while llama.cpp always adds one after a special token."""
+    base = zoo.base("llama")
+    tuneport.export(base=base, target="gguf", quant="f32", out=tmp_path / "gguf")
+    report = verify(artifact=tmp_path / "gguf" / f"{base.name}-F32.gguf", reference=base, gates=["max_abs<=1e-4"])
+    assert set(_failed(report)) == {"tokenizer", "chat_template"}
+    assert report.metrics["max_abs"] <= 1e-4
+
+
+def test_cli_json_exit_codes_and_reference_cache(qwen, cli, tmp_path):
+    from tuneport.convert.io import cache_dir
+
+    base, adapter, out, lora = qwen
+    model = out / f"{base.name}-Q8_0.gguf"
+    code, stdout, _ = cli("verify", model, "--reference", base, "--adapter", adapter, "--lora", lora, "--json")
+    assert code == 0
+    report = json.loads(stdout)
+    assert report["passed"] and report["engine"] == "llama.cpp" and report["metrics"]["kl"] < 0.02
+    cached = sorted((cache_dir() / "verify").glob("*.safetensors"))
+    stamps = [p.stat().st_mtime_ns for p in cached]
+    code, stdout, err = cli("verify", model, "--reference", base, "--adapter", adapter, "--lora", lora,
+                            "--gate", "kl<=1e-9")
+    assert code == 3 and "kl<=1e-09" in err and model.name in err and "FAILED" in stdout
+    assert sorted((cache_dir() / "verify").glob("*.safetensors")) == cached  # computed once
+    assert [p.stat().st_mtime_ns for p in cached] == stamps
+    for args, says in [
+        (["verify", model, "--reference", base, "--gate", "kl<0.1"], "bad gate"),
+        (["verify", tmp_path / "none.gguf", "--reference", base], "does not exist"),
+        (["verify", lora, "--reference", base], "is a GGUF LoRA, not a model"),
+        (["verify", model, "--reference", base, "--lora", lora], "--lora needs --adapter"),
+        (["verify", base, "--reference", base], "runs GGUF files"),
+    ]:
+        code, stdout, err = cli(*args)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_python_api_is_the_cli_function():
+    import tuneport.toolkit.verify as v
+
+    assert tuneport.verify is v.verify and tuneport.VerifyOptions is VerifyOptions
