@@ -174,3 +174,52 @@ def test_python_api_is_the_cli_function():
     import tuneport.toolkit.verify as v
 
     assert tuneport.verify is v.verify and tuneport.VerifyOptions is VerifyOptions
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    """llama.cpp's own converters, from the llama-cpp-python 0.3.36 sdist (skipped without the index)."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    tmp = tmp_path_factory.mktemp("llamacpp-src")
+    res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                          "llama-cpp-python==0.3.36", "-d", str(tmp)], capture_output=True, text=True)
+    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"), None)
+    if res.returncode != 0 or sdist is None:
+        pytest.skip(f"cannot download the llama-cpp-python sdist: {res.stderr.strip()[-200:]}")
+    wanted = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
+    with tarfile.open(sdist) as tf:
+        members = [m for m in tf.getmembers() if "/vendor/llama.cpp/" in m.name
+                   and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(wanted)]
+        tf.extractall(tmp, members=members, filter="data")
+    src = next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+    def convert(script: str, *args) -> None:
+        env = {**os.environ, "PYTHONPATH": f"{src / 'gguf-py'}:{src}"}
+        done = subprocess.run([sys.executable, str(src / script), *map(str, args)], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    return convert
+
+
+def test_upstream_converters_are_verified(zoo, upstream, tmp_path):
+    """A GGUF and a GGUF LoRA written by llama.cpp's own convert_hf_to_gguf.py / convert_lora_to_gguf.py:
+    the model's numbers are exact, and the LoRA of an rsLoRA adapter comes out at the wrong strength
+    (it is written with alpha/r), which tuneport's LoRA of the same adapter does not."""
+    base, adapter = zoo.base("llama"), zoo.adapter("llama", "rslora")
+    model, lora = tmp_path / "upstream-F32.gguf", tmp_path / "upstream-lora-F32.gguf"
+    upstream("convert_hf_to_gguf.py", base, "--outfile", model, "--outtype", "f32")
+    upstream("convert_lora_to_gguf.py", "--base", base, "--outfile", lora, "--outtype", "f32", adapter)
+    alone = verify(artifact=model, reference=base, gates=["max_abs<=1e-4"], default_gates=False)
+    assert alone.passed, alone.failure_line()
+    wrong = verify(artifact=model, reference=base, adapter=adapter, lora=lora)
+    assert "strength_error<=0.1" in _failed(wrong) and wrong.metrics["strength"] < 0.6
+    tuneport.export(base=base, adapters=[f"style={adapter}"], target="gguf", adapter_mode="separate", quant="f32",
+                    out=tmp_path / "ours")
+    our_lora = tmp_path / "ours" / "adapters" / "style-F32.gguf"
+    ours = verify(artifact=model, reference=base, adapter=adapter, lora=our_lora, gates=["max_abs<=1e-3"])
+    assert "strength_error<=0.1" not in _failed(ours) and "max_abs<=0.001" not in _failed(ours)

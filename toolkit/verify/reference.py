@@ -102,7 +102,9 @@ def greedy_prompt(ids: list[int]) -> list[int]:
 def reference(base: str | Path, adapter: str | Path | None, eval_file: Path | None, tokens: int,
               greedy_tokens: int) -> Reference:
     from safetensors.torch import load_file, save_file
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     base_dir = resolve_model_path(base)
     adapter_dir = resolve_adapter_path(adapter) if adapter else None
     tok = load_tokenizer(base_dir)
