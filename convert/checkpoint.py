@@ -38,8 +38,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_hub_path(spec: str | Path, patterns: list[str], what: str) -> Path:
-    """A local path as is; otherwise a hub id through ``huggingface_hub`` (honours HF_HUB_OFFLINE)."""
+def resolve_hub_path(spec: str | Path, patterns: list[str], what: str, revision: str | None = None) -> Path:
+    """A local path as is; otherwise a hub id (at ``revision``: a branch, tag or commit) through
+    ``huggingface_hub`` (honours HF_HUB_OFFLINE)."""
     path = Path(spec).expanduser()
     if path.exists():
         return path
@@ -48,7 +49,7 @@ def resolve_hub_path(spec: str | Path, patterns: list[str], what: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(spec), allow_patterns=patterns))
+        return Path(snapshot_download(str(spec), allow_patterns=patterns, revision=revision))
     except Exception as e:  # network, auth, offline mode, unknown repo
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = (
@@ -59,11 +60,11 @@ def resolve_hub_path(spec: str | Path, patterns: list[str], what: str) -> Path:
         raise UserError(f"cannot fetch {spec} from the Hugging Face hub ({type(e).__name__})", hint) from e
 
 
-def resolve_model_path(spec: str | Path, allow_pickle: bool = False) -> Path:
+def resolve_model_path(spec: str | Path, allow_pickle: bool = False, revision: str | None = None) -> Path:
     """A local model directory or file as is; otherwise a hub id, downloaded (weights, config, tokenizer)."""
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
     return resolve_hub_path(spec, patterns + (["*.bin", "*.pt"] if allow_pickle else []),
-                            "a model directory (or a .gguf file where GGUF is served)")
+                            "a model directory (or a .gguf file where GGUF is served)", revision)
 
 
 class Checkpoint:

@@ -233,6 +233,40 @@ def verify(
 
 
 @app.command()
+def release(
+    recipe: Annotated[Path, typer.Argument(metavar="RECIPE", help="The release recipe (YAML)")],
+    out: Annotated[Path | None, typer.Option("--out", help="The release directory (default: "
+                                             "release-NAME-VERSION)")] = None,
+    push: Annotated[bool, typer.Option("--push", help="Upload to the recipe's publish.repo")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push: print the upload, touch no "
+                                          "network")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="The summary on stdout (progress on stderr)")] = False,
+) -> None:
+    """Export every target of RECIPE, verify each GGUF artifact against the fine-tune, apply the gates
+    (exit 3, nothing published) and write the release directory: artifacts, manifest, model card."""
+    from .progress import stdout
+    from .release import ReleaseOptions
+    from .release import release as run_release
+
+    if as_json:
+        stdout.file = sys.stderr
+    try:
+        summary = run_release(ReleaseOptions(recipe=recipe, out=out, push=push, dry_run=dry_run))
+    finally:
+        stdout.file = None
+    if as_json:
+        sys.stdout.write(json.dumps(summary, default=str) + "\n")
+        return
+    stdout.print(f"release written to {summary['out']}: {len(summary['artifacts'])} artifacts, all gates passed",
+                 soft_wrap=True)
+    for line in (summary.get("publish") or {}).get("operations", []):
+        stdout.print(("would " if summary["publish"]["dry_run"] else "did ") + line, soft_wrap=True)
+    for f in (summary.get("publish") or {}).get("files", []):
+        stdout.print(f"  {f['path']}  {f['bytes']} bytes  sha256 {f['sha256']}  {'LFS' if f['lfs'] else 'git'}",
+                     soft_wrap=True)
+
+
+@app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Python, torch, which engines are importable, CUDA, versions."""
     from .doctor import doctor_report, format_doctor

@@ -1,0 +1,155 @@
+"""``tuneport release``: a recipe over a tiny base and two adapters (GGUF separate and merged, vLLM) runs,
+its gates pass and the release directory is complete; a strict gate fails with exit 3 naming the artifact
+and the metric, and nothing is published; a bad recipe exits 2 naming the key; a rerun skips what is
+intact, a rebuilt target is byte-identical, a killed run resumes; --push --dry-run lists the upload."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.llamacpp
+
+
+def write_recipe(path: Path, base: Path, adapters: dict[str, Path], gates: str = "{kl: {default: 1.0, q8_0: 0.05}, "
+                 "strength_error: 0.3}") -> Path:
+    path.write_text(f"""
+name: tiny-release
+version: 0.1.0
+license: apache-2.0
+base: {{path: {base}}}
+adapters:
+{''.join(f'  - {{name: {n}, path: {p}}}{chr(10)}' for n, p in adapters.items())}
+targets:
+  - {{type: gguf, quant: [q8_0, q4_0], adapters: separate}}
+  - {{type: gguf, quant: [q8_0], adapters: merge}}
+  - {{type: vllm}}
+eval: {{tokens: 128}}
+gates: {gates}
+publish: {{repo: tiny-org/tiny-release, private: true, tag: v0.1.0}}
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(zoo):
+    base = zoo.base("qwen2", wide=True)
+    return base, {"style": zoo.adapter("qwen2", "rslora", wide=True), "chat": zoo.adapter("qwen2", "plain", wide=True)}
+
+
+@pytest.fixture(scope="module")
+def released(inputs, tmp_path_factory):
+    from tuneport.toolkit.release import release
+
+    root = tmp_path_factory.mktemp("release")
+    recipe = write_recipe(root / "recipe.yaml", *inputs)
+    summary = release(recipe=recipe, out=root / "out")
+    return root, recipe, summary
+
+
+def test_release_directory_is_complete(released):
+    root, _, summary = released
+    out = root / "out"
+    assert summary["passed"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["sha256"] and manifest["libraries"]["torch"] and manifest["inputs"]["base"]["files"]
+    verified = [a for a in manifest["artifacts"] if a["verified"]]
+    # 2 quant types x (model alone + 2 LoRAs) + the merged Q8_0
+    assert len(verified) == 7 and all(a["passed"] for a in verified)
+    assert [a for a in manifest["artifacts"] if not a["verified"]][0]["target"] == "vllm-separate"
+    for o in manifest["outputs"]:
+        f = out / o["path"]
+        assert f.stat().st_size == o["bytes"]
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["license"] == "apache-2.0" and "tuneport" in front["tags"] and front["library_name"] == "gguf"
+    for a in verified:
+        assert f"{a['metrics']['kl']:.2e}" in card
+    assert "ollama create" in card and "tuneport serve --base" in card and "serve-vllm.sh" in card
+    assert (out / "recipe.yaml").read_text() == (root / "recipe.yaml").read_text()
+    assert (out / "artifacts" / "gguf-separate" / "Modelfile.style").exists()
+
+
+def test_rerun_skips_intact_targets_and_rebuilds_byte_identical(released):
+    import shutil
+
+    from tuneport.toolkit.release import release
+
+    root, recipe, _ = released
+    out = root / "out"
+    first = {o["path"]: o["sha256"] for o in json.loads((out / "manifest.json").read_text())["outputs"]
+             if o["path"].endswith((".gguf", ".safetensors"))}
+    stamp = (out / "artifacts" / "gguf-merge" / "tiny-release-Q8_0.gguf").stat().st_mtime_ns
+    shutil.rmtree(out / "artifacts" / "gguf-separate")
+    release(recipe=recipe, out=out)
+    assert (out / "artifacts" / "gguf-merge" / "tiny-release-Q8_0.gguf").stat().st_mtime_ns == stamp  # skipped
+    again = {o["path"]: o["sha256"] for o in json.loads((out / "manifest.json").read_text())["outputs"]
+             if o["path"].endswith((".gguf", ".safetensors"))}
+    assert again == first  # the rebuilt target is byte-identical
+
+
+def test_strict_gate_fails_with_exit_3_and_publishes_nothing(inputs, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "strict.yaml", *inputs, gates="{kl: 1.0e-9}")
+    code, stdout, err = cli("release", recipe, "--out", tmp_path / "out", "--push", "--dry-run")
+    assert code == 3 and "create_repo" not in stdout and "release written" not in stdout
+    assert "gates failed, nothing published" in err and "artifacts/gguf-separate/tiny-release-Q8_0.gguf" in err
+    assert "kl<=1e-09" in err
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["passed"] is False
+
+
+def test_bad_recipe_exits_2_naming_the_key(inputs, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "bad.yaml", *inputs)
+    recipe.write_text(recipe.read_text().replace("q4_0]", "q4_z]"))
+    code, _, err = cli("release", recipe, "--out", tmp_path / "out")
+    assert code == 2 and "targets[0].quant: 'q4_z' is not a GGUF type" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_dry_run_lists_files_hashes_and_tag(released, cli):
+    root, recipe, _ = released
+    code, stdout, _ = cli("release", recipe, "--out", root / "out", "--push", "--dry-run", "--json")
+    assert code == 0
+    plan = json.loads(stdout)["publish"]
+    assert plan["dry_run"] and plan["repo"] == "tiny-org/tiny-release" and plan["tag"] == "v0.1.0"
+    files = {f["path"]: f for f in plan["files"]}
+    assert {"README.md", "manifest.json", "recipe.yaml"} <= set(files) and "release-state.json" not in files
+    gguf = files["artifacts/gguf-separate/tiny-release-Q8_0.gguf"]
+    assert gguf["lfs"] and not files["README.md"]["lfs"] and len(gguf["sha256"]) == 64
+    assert gguf["bytes"] == (root / "out" / gguf["path"]).stat().st_size
+    assert plan["operations"][-1] == "create_tag v0.1.0"
+
+
+def test_push_without_a_token_fails_before_any_work(inputs, tmp_path, cli, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    recipe = write_recipe(tmp_path / "r.yaml", *inputs)
+    code, _, err = cli("release", recipe, "--out", tmp_path / "out", "--push")
+    assert code == 2 and "publishing needs a Hugging Face token" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_killed_run_resumes_and_finishes(inputs, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", *inputs)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tuneport", "release", str(recipe), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "release-state.json").exists():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # after the first target, before the release is written
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "outputs recorded and intact, skipped" in done.stdout
+    assert json.loads((out / "manifest.json").read_text())["passed"]

