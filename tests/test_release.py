@@ -153,3 +153,12 @@ def test_killed_run_resumes_and_finishes(inputs, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "outputs recorded and intact, skipped" in done.stdout
     assert json.loads((out / "manifest.json").read_text())["passed"]
+
+
+def test_plot_has_one_point_per_quant_type(released):
+    root, _, _ = released
+    png = root / "out" / "fidelity.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot = json.loads((root / "out" / "manifest.json").read_text())["plot"]
+    assert [p[0] for p in plot["points"]] == ["q4_0", "q8_0"]
+    assert "fidelity.png" in (root / "out" / "README.md").read_text()

@@ -73,6 +73,7 @@ def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
         "",
         *rows,
         "",
+        *(["![file size against KL per quant type](fidelity.png)", ""] if (out / "fidelity.png").exists() else []),
         "## Run it",
         "",
         *_usage(out, artifacts),

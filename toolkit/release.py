@@ -176,8 +176,11 @@ class Release:
     # -- the release directory -----------------------------------------------------------------------
     def write_files(self) -> None:
         from .model_card import model_card
+        from .plot import write_size_kl_plot
 
         shutil.copy(self.recipe_path, self.out / "recipe.yaml")
+        self.plot = write_size_kl_plot(self.artifacts, self.out / "fidelity.png",
+                                       f"{self.recipe.name} {self.recipe.version}: size vs KL per quant type")
         files = [p for p in sorted(self.out.rglob("*")) if p.is_file() and not _private(p.relative_to(self.out))]
         outputs = [{"path": p.relative_to(self.out).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
                    for p in files if p.name not in ("manifest.json", "README.md") or p.parent != self.out]
@@ -185,7 +188,8 @@ class Release:
                     "libraries": _library_versions(), "recipe": {"file": self.recipe_path.name,
                                                                  "sha256": self.recipe_sha256},
                     "name": self.recipe.name, "release_version": self.recipe.version, "inputs": self.inputs,
-                    "artifacts": self.artifacts, "outputs": outputs, "passed": self.passed}
+                    "artifacts": self.artifacts, "plot": {"file": "fidelity.png", "points": self.plot} if self.plot
+                    else None, "outputs": outputs, "passed": self.passed}
         _write_text(self.out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
         _write_text(self.out / "README.md", model_card(self.recipe, self.artifacts, self.out))
 
