@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tuneport.convert.errors import UserError
 from tuneport.toolkit.recipe import load_recipe, parse_recipe, resolve_local
@@ -72,3 +73,11 @@ def test_paths_resolve_beside_the_recipe(tmp_path):
     recipe = tmp_path / "r.yaml"
     assert resolve_local(recipe, "./base") == str((tmp_path / "base").resolve())
     assert resolve_local(recipe, "org/model") == "org/model"
+
+
+def test_ci_template_runs_the_release():
+    workflow = yaml.safe_load((Path(__file__).parent.parent / "recipes" / "github-actions-release.yml").read_text())
+    runs = [s.get("run", "") for s in workflow["jobs"]["release"]["steps"]]
+    assert any("tuneport release" in r and "--push" not in r for r in runs)
+    assert any("--push --dry-run" in r for r in runs) and any(r.endswith("--push") for r in runs)
+    assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in workflow["jobs"]["release"]["steps"])
