@@ -16,11 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.llamacpp
+pytestmark = [pytest.mark.llamacpp, pytest.mark.vllm]
+ALL_TARGETS = """
+  - {type: gguf, quant: [q8_0, q4_0], adapters: separate}
+  - {type: gguf, quant: [q8_0], adapters: merge}
+  - {type: vllm}"""
+GGUF_ONLY = """
+  - {type: gguf, quant: [q8_0, q4_0], adapters: separate}"""
 
 
 def write_recipe(path: Path, base: Path, adapters: dict[str, Path], gates: str = "{kl: {default: 1.0, q8_0: 0.05}, "
-                 "strength_error: 0.3}") -> Path:
+                 "strength_error: 0.3}", targets: str = GGUF_ONLY) -> Path:
     path.write_text(f"""
 name: tiny-release
 version: 0.1.0
@@ -28,10 +34,7 @@ license: apache-2.0
 base: {{path: {base}}}
 adapters:
 {''.join(f'  - {{name: {n}, path: {p}}}{chr(10)}' for n, p in adapters.items())}
-targets:
-  - {{type: gguf, quant: [q8_0, q4_0], adapters: separate}}
-  - {{type: gguf, quant: [q8_0], adapters: merge}}
-  - {{type: vllm}}
+targets:{targets}
 eval: {{tokens: 128}}
 gates: {gates}
 publish: {{repo: tiny-org/tiny-release, private: true, tag: v0.1.0}}
@@ -50,7 +53,7 @@ def released(inputs, tmp_path_factory):
     from tuneport.toolkit.release import release
 
     root = tmp_path_factory.mktemp("release")
-    recipe = write_recipe(root / "recipe.yaml", *inputs)
+    recipe = write_recipe(root / "recipe.yaml", *inputs, targets=ALL_TARGETS)
     summary = release(recipe=recipe, out=root / "out")
     return root, recipe, summary
 
@@ -62,9 +65,11 @@ def test_release_directory_is_complete(released):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recipe"]["sha256"] and manifest["libraries"]["torch"] and manifest["inputs"]["base"]["files"]
     verified = [a for a in manifest["artifacts"] if a["verified"]]
-    # 2 quant types x (model alone + 2 LoRAs) + the merged Q8_0
-    assert len(verified) == 7 and all(a["passed"] for a in verified)
-    assert [a for a in manifest["artifacts"] if not a["verified"]][0]["target"] == "vllm-separate"
+    # GGUF: 2 quant types x (model alone + 2 LoRAs) + the merged Q8_0; vLLM: the bundle alone + 2 adapters
+    assert len(verified) == len(manifest["artifacts"]) == 10 and all(a["passed"] for a in verified)
+    in_vllm = [a for a in verified if a["engine"] == "vLLM"]
+    assert len(in_vllm) == 3 and all(a["metrics"]["kl"] < 1e-6 for a in in_vllm)
+    assert all(abs(a["metrics"]["strength"] - 1) < 1e-3 for a in in_vllm if a["lora"])
     for o in manifest["outputs"]:
         f = out / o["path"]
         assert f.stat().st_size == o["bytes"]
@@ -73,6 +78,7 @@ def test_release_directory_is_complete(released):
     assert front["license"] == "apache-2.0" and "tuneport" in front["tags"] and front["library_name"] == "gguf"
     for a in verified:
         assert f"{a['metrics']['kl']:.2e}" in card
+    assert "| vLLM |" in card
     assert "ollama create" in card and "tuneport serve --base" in card and "serve-vllm.sh" in card
     assert (out / "recipe.yaml").read_text() == (root / "recipe.yaml").read_text()
     assert (out / "artifacts" / "gguf-separate" / "Modelfile.style").exists()

@@ -159,12 +159,14 @@ def test_cli_json_exit_codes_and_reference_cache(qwen, cli, tmp_path):
     assert code == 3 and "kl<=1e-09" in err and model.name in err and "FAILED" in stdout
     assert sorted((cache_dir() / "verify").glob("*.safetensors")) == cached  # computed once
     assert [p.stat().st_mtime_ns for p in cached] == stamps
+    other = tmp_path / "other.txt"
+    other.write_text("not a model")
     for args, says in [
         (["verify", model, "--reference", base, "--gate", "kl<0.1"], "bad gate"),
         (["verify", tmp_path / "none.gguf", "--reference", base], "does not exist"),
         (["verify", lora, "--reference", base], "is a GGUF LoRA, not a model"),
         (["verify", model, "--reference", base, "--lora", lora], "--lora needs --adapter"),
-        (["verify", base, "--reference", base], "runs GGUF files"),
+        (["verify", other, "--reference", base], "tuneport verify cannot run other.txt"),
     ]:
         code, stdout, err = cli(*args)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)

@@ -206,12 +206,14 @@ def serve(
 
 @app.command()
 def verify(
-    artifact: Annotated[Path, typer.Argument(metavar="ARTIFACT", help="The artifact to verify: a .gguf model file")],
+    artifact: Annotated[Path, typer.Argument(metavar="ARTIFACT", help="The artifact to verify: a .gguf model file, "
+                                             "a tuneport vLLM bundle or a merged HF model directory")],
     reference: Annotated[str, typer.Option("--reference", help="The fine-tune's base: HF dir or hub id")],
     adapter: Annotated[str | None, typer.Option("--adapter", help="The fine-tune's PEFT adapter (reference = "
                                                 "base + adapter)")] = None,
-    lora: Annotated[Path | None, typer.Option("--lora", help="A GGUF LoRA to run on ARTIFACT (its strength is "
-                                              "checked against --adapter)")] = None,
+    lora: Annotated[Path | None, typer.Option("--lora", help="A LoRA to run on ARTIFACT: a GGUF LoRA file (GGUF) "
+                                              "or a PEFT dir (vLLM); its strength is checked against --adapter")
+                    ] = None,
     eval_file: Annotated[Path | None, typer.Option("--eval", help="Text to compare on (default: a built-in "
                                                    "offline corpus)")] = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Eval tokens")] = 256,
@@ -242,8 +244,8 @@ def release(
                                           "network")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="The summary on stdout (progress on stderr)")] = False,
 ) -> None:
-    """Export every target of RECIPE, verify each GGUF artifact against the fine-tune, apply the gates
-    (exit 3, nothing published) and write the release directory: artifacts, manifest, model card."""
+    """Export every target of RECIPE, verify each artifact in its engine against the fine-tune, apply the
+    gates (exit 3, nothing published) and write the release directory: artifacts, manifest, model card."""
     from .progress import stdout
     from .release import ReleaseOptions
     from .release import release as run_release

@@ -47,15 +47,15 @@ def _usage(out: Path, artifacts: list[dict]) -> list[str]:
 
 
 def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
-    rows = ["| artifact | MB | KL vs fp32 | top-1 | ppl ratio | max \\|Δlogit\\| | LoRA strength | gates |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| artifact | engine | MB | KL vs fp32 | top-1 | ppl ratio | max \\|Δlogit\\| | LoRA strength | gates |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for a in artifacts:
         name = a["path"] + (f" + {Path(a['lora']).name}" if a.get("lora") else "")
-        gates = ("passed" if a["passed"] else "FAILED") if a["verified"] else "not verified"
+        gates = "passed" if a["passed"] else "FAILED"
         mb = f"{a['bytes'] / 1e6:.1f}" if a.get("bytes") else "–"
-        rows.append(f"| {name} | {mb} | {_metric(a, 'kl', '.2e')} | {_metric(a, 'top1', '.1%')} | "
-                    f"{_metric(a, 'ppl_ratio', '.4f')} | {_metric(a, 'max_abs', '.3g')} | "
-                    f"{_metric(a, 'strength', '.3f')} | {gates} |")
+        rows.append(f"| {name} | {a.get('engine', '–')} | {mb} | {_metric(a, 'kl', '.2e')} | "
+                    f"{_metric(a, 'top1', '.1%')} | {_metric(a, 'ppl_ratio', '.4f')} | "
+                    f"{_metric(a, 'max_abs', '.3g')} | {_metric(a, 'strength', '.3f')} | {gates} |")
     adapters = ", ".join(f"`{a.name}`" for a in recipe.adapters) or "none"
     return "\n".join([
         _front_matter(recipe, artifacts),
@@ -67,7 +67,8 @@ def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
         "",
         "## Fidelity",
         "",
-        "Each GGUF file ran in llama.cpp (F32 KV cache) against the fine-tune in transformers + PEFT (fp32), "
+        "Each artifact ran in its own engine (GGUF files in llama.cpp with an F32 KV cache; the vLLM bundle and "
+        "merged models in vLLM, fp32) against the fine-tune in transformers + PEFT (fp32), "
         f"on {recipe.eval.tokens} tokens of evaluation text; tokenizer, chat template and special tokens were "
         "checked against the HF tokenizer.",
         "",

@@ -1,5 +1,5 @@
-"""``tuneport release RECIPE.yaml``: every target of a recipe exported, every GGUF artifact verified in
-llama.cpp against the fine-tune, the recipe's gates applied, and one release directory written: the
+"""``tuneport release RECIPE.yaml``: every target of a recipe exported, every artifact verified in its own
+engine (llama.cpp, vLLM) against the fine-tune, the recipe's gates applied, and one release directory written: the
 artifacts, ``manifest.json``, a ``README.md`` model card and the recipe. Nothing is published when a gate
 fails (exit 3). A rerun skips targets whose recorded outputs still match their sha256."""
 
@@ -106,7 +106,7 @@ class Release:
                                              self.recipe.name}, sort_keys=True).encode()).hexdigest()
             if self._intact(target_dir, state.get(label), key):
                 console.print(f"{label}: outputs recorded and intact, skipped")
-                done[label] = state[label]
+                done[label] = {**state[label], "skipped": True}
                 continue
             console.print(f"{label}: exporting")
             res = export(**self._export_fields(target, target_dir))
@@ -144,34 +144,46 @@ class Release:
                   out=ref, dtype="fp32", force=True)
         return ref, None
 
+    def _runs(self, target, tdir: Path, details: dict) -> list[tuple[str | None, Path, str | None, Path | None]]:
+        """(quant, artifact, adapter name, LoRA) for each verify run of a target: every model file alone and
+        with each of its LoRAs (GGUF LoRA files; PEFT directories in a vLLM bundle)."""
+        if isinstance(target, GGUFTarget):
+            return [(quant, tdir / rel, name, lora) for quant, rel in details["models"].items()
+                    for name, lora in [(None, None), *((n, tdir / r) for n, r in details.get("loras", {}).items())]]
+        loras = [(n, tdir / "adapters" / n) for n in self.adapters if (tdir / "adapters" / n).is_dir()]
+        return [(None, tdir, name, lora) for name, lora in [(None, None), *loras]]
+
     def verify_all(self, done: dict[str, dict]) -> None:
         from .verify import verify
 
-        gates = self.recipe.gates
+        state = self._state()
+        gates_key = json.dumps({"gates": self.recipe.gates.model_dump(), "eval": self.recipe.eval.model_dump()},
+                               sort_keys=True)
         for target, label in zip(self.recipe.targets, done, strict=True):
-            tdir = self.out / "artifacts" / label
-            if not isinstance(target, GGUFTarget):
-                self.artifacts.append({"target": label, "path": f"artifacts/{label}", "verified": False,
-                                       "why": "tuneport verify runs GGUF files in llama.cpp; this target is not "
-                                              "verified yet", "passed": True})
+            recorded = done[label].get("verified")
+            if done[label].get("skipped") and recorded and recorded.get("gates") == gates_key:
+                console.print(f"{label}: verified before, with the same gates")
+                self.artifacts += recorded["artifacts"]
                 continue
-            models = done[label]["details"]["models"]
-            loras = done[label]["details"].get("loras", {})
-            reference, ref_adapter = self._merged_reference() if target.adapters == "merge" else (self.base, None)
-            for quant, rel in models.items():
-                runs = [(None, None)] + [(name, tdir / lrel) for name, lrel in loras.items()]
-                for name, lora in runs:
-                    console.print(f"{label}: verifying {rel}{f' + {lora.name}' if lora else ''}")
-                    report = verify(artifact=tdir / rel, reference=reference,
-                                    adapter=str(self.adapters[name]) if name else ref_adapter, lora=lora,
-                                    eval_file=self.eval_file, tokens=self.recipe.eval.tokens,
-                                    gates=gates.for_artifact(quant), default_gates=False)
-                    self.artifacts.append({
-                        "target": label, "path": f"artifacts/{label}/{rel}", "quant": quant,
-                        "lora": f"artifacts/{label}/{lora.relative_to(tdir)}" if lora else None, "adapter": name,
-                        "bytes": (tdir / rel).stat().st_size + (lora.stat().st_size if lora else 0),
-                        "verified": True, "metrics": report.metrics, "checks": report.checks, "gates": report.gates,
-                        "passed": report.passed})
+            tdir = self.out / "artifacts" / label
+            merges = getattr(target, "adapters", "merge") == "merge"
+            reference, ref_adapter = self._merged_reference() if merges else (self.base, None)
+            found = []
+            for quant, artifact, name, lora in self._runs(target, tdir, done[label]["details"]):
+                console.print(f"{label}: verifying {artifact.name}{f' + {lora.name}' if lora else ''}")
+                report = verify(artifact=artifact, reference=reference,
+                                adapter=str(self.adapters[name]) if name else ref_adapter, lora=lora,
+                                eval_file=self.eval_file, tokens=self.recipe.eval.tokens,
+                                gates=self.recipe.gates.for_artifact(quant), default_gates=False)
+                found.append({
+                    "target": label, "path": artifact.relative_to(self.out).as_posix(), "quant": quant,
+                    "lora": lora.relative_to(self.out).as_posix() if lora else None, "adapter": name,
+                    "engine": report.engine, "bytes": _size(artifact) + (_size(lora) if lora else 0),
+                    "verified": True, "metrics": report.metrics, "checks": report.checks, "gates": report.gates,
+                    "passed": report.passed})
+            self.artifacts += found
+            state[label] = {**state.get(label, done[label]), "verified": {"gates": gates_key, "artifacts": found}}
+            (self.out / STATE).write_text(json.dumps(state, indent=2, default=str))
 
     # -- the release directory -----------------------------------------------------------------------
     def write_files(self) -> None:
@@ -217,6 +229,10 @@ class Release:
 
             summary["publish"] = publish(self.out, self.recipe.publish, dry_run=self.opts.dry_run)
         return summary
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _private(rel: Path) -> bool:

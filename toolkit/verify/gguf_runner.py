@@ -16,6 +16,7 @@ from ..fidelity import llamacpp_logits, llamacpp_model
 
 class GGUFRunner:
     engine = "llama.cpp"
+    exact_logits = True  # logits, so max |Δlogit| is measured
 
     def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:
         reader = open_gguf(model)

@@ -73,6 +73,12 @@ def eval_ids(tok, eval_file: Path | None, tokens: int) -> list[int]:
     return ids
 
 
+def _context(base: Path) -> int:
+    """The positions the model was trained for (the eval text is cut to fit them, with one to spare)."""
+    config = json.loads((base / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 1 << 20)
+
+
 def _key(base: Path, adapter: Path | None, ids: list[int], greedy_tokens: int) -> str:
     h = hashlib.sha256(json.dumps({"base": checkpoint_sha256(Checkpoint(base)), "v": REFERENCE_VERSION,
                                    "adapter": content_digest(adapter) if adapter else None, "ids": ids,
@@ -108,7 +114,7 @@ def reference(base: str | Path, adapter: str | Path | None, eval_file: Path | No
     base_dir = resolve_model_path(base)
     adapter_dir = resolve_adapter_path(adapter) if adapter else None
     tok = load_tokenizer(base_dir)
-    ids = eval_ids(tok, eval_file, tokens)
+    ids = eval_ids(tok, eval_file, min(tokens, _context(base_dir) - 1))
     entry = cache_dir() / "verify" / f"{_key(base_dir, adapter_dir, ids, greedy_tokens)}.safetensors"
     if not entry.exists():
         log.info("computing the fp32 reference (%s%s)", base_dir, f" + {adapter_dir}" if adapter_dir else "")

