@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.vllm]
 ALL_TARGETS = """
   - {type: gguf, quant: [q8_0, q4_0], adapters: separate}
   - {type: gguf, quant: [q8_0], adapters: merge}
-  - {type: vllm}"""
+  - {type: vllm}
+  - {type: safetensors}"""
 GGUF_ONLY = """
   - {type: gguf, quant: [q8_0, q4_0], adapters: separate}"""
 
@@ -65,10 +66,11 @@ def test_release_directory_is_complete(released):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recipe"]["sha256"] and manifest["libraries"]["torch"] and manifest["inputs"]["base"]["files"]
     verified = [a for a in manifest["artifacts"] if a["verified"]]
-    # GGUF: 2 quant types x (model alone + 2 LoRAs) + the merged Q8_0; vLLM: the bundle alone + 2 adapters
-    assert len(verified) == len(manifest["artifacts"]) == 10 and all(a["passed"] for a in verified)
+    # GGUF: 2 quant types x (model alone + 2 LoRAs) + the merged Q8_0; vLLM: the bundle alone + 2 adapters,
+    # and the merged safetensors model (against tuneport's fp32 merge of both adapters)
+    assert len(verified) == len(manifest["artifacts"]) == 11 and all(a["passed"] for a in verified)
     in_vllm = [a for a in verified if a["engine"] == "vLLM"]
-    assert len(in_vllm) == 3 and all(a["metrics"]["kl"] < 1e-6 for a in in_vllm)
+    assert len(in_vllm) == 4 and all(a["metrics"]["kl"] < 1e-6 for a in in_vllm)
     assert all(abs(a["metrics"]["strength"] - 1) < 1e-3 for a in in_vllm if a["lora"])
     for o in manifest["outputs"]:
         f = out / o["path"]
@@ -168,3 +170,35 @@ def test_plot_has_one_point_per_quant_type(released):
     plot = json.loads((root / "out" / "manifest.json").read_text())["plot"]
     assert [p[0] for p in plot["points"]] == ["q4_0", "q8_0"]
     assert "fidelity.png" in (root / "out" / "README.md").read_text()
+
+
+def test_push_is_one_commit_with_every_file_and_a_tag(released, monkeypatch):
+    """The upload as huggingface_hub receives it (its API recorded here: no network in tests)."""
+    import huggingface_hub
+
+    from tuneport.toolkit.publish import publish, upload_plan
+    from tuneport.toolkit.recipe import load_recipe
+
+    calls = []
+
+    class RecordingApi:
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw["repo_id"], kw))
+            return type("Commit", (), {"oid": "c0ffee", "commit_url": "https://hub/commit/c0ffee"})()
+
+        def create_tag(self, repo_id, **kw):
+            calls.append(("create_tag", repo_id, kw))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    root, recipe, _ = released
+    spec = load_recipe(recipe)[0].publish
+    done = publish(root / "out", spec, dry_run=False)
+    assert [c[0] for c in calls] == ["create_repo", "upload_folder", "create_tag"]
+    assert calls[0][2] == {"private": True, "exist_ok": True}
+    upload = calls[1][2]
+    assert upload["folder_path"] == str(root / "out") and "release-state.json*" in upload["ignore_patterns"]
+    assert calls[2][2] == {"tag": "v0.1.0", "revision": "c0ffee"}
+    assert done["files"] == upload_plan(root / "out", spec)["files"] and done["commit"].endswith("c0ffee")
