@@ -16,26 +16,11 @@ import torch
 
 import tuneport
 from tuneport.toolkit.smollm.package import PackageUnavailable
+from tuneport.toolkit.verify.parity import CHATS, TOKENIZER_BATTERY
 
 pytestmark = pytest.mark.llamacpp
 N_COMPARED = 16  # served tokens compared with transformers' greedy generation
 TOL = 1e-3
-
-TOKENIZER_BATTERY = [
-    "Hello world", "  two leading spaces", "trailing spaces   ", "tabs\tand\nnewlines\n\n\nthree",
-    "12345 67890 3.14159 1,000,000", "naïve café déjà vu", "日本語のテキストと中文", "emoji 🎉🚀 and 👩‍💻 (ZWJ)",
-    "def f(x):\n    return x ** 2  # square\n", "<|im_start|>user\nhi<|im_end|>\n", "     ", "a\u00a0b\u2009c",
-    "Ünïcödé ÅÄÖ ß", 'x = [1, 2, 3]; y = {"k": "v"}', "it's don't they're we'll I'd you've", "HTTP/1.1 200 OK\r\n",
-    "\tindented\n\t\tmore", "C++ and C# and F#", "<|endoftext|>text after", "hello  world   !!   ?",
-    "Ⅻ ½ ² ∑ ∫ → ≤", "مرحبا بالعالم", "नमस्ते दुनिया", "https://example.com/a?b=c&d=e#f", "**bold** _it_ `code`",
-    "SELECT * FROM t WHERE id = 42;", "'''quoted''' \"\"\"doc\"\"\"", "\n", "a" * 50, "Zürich 2024-11-30T15:40:00Z",
-]
-CHATS = [
-    [{"role": "user", "content": "What is the tallest mountain in the world?"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Write `print(1)` in Python 🐍\n\twith a tab."}],
-]
 
 
 @pytest.fixture(scope="module")

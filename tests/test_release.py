@@ -199,6 +199,7 @@ def test_push_is_one_commit_with_every_file_and_a_tag(released, monkeypatch):
     assert [c[0] for c in calls] == ["create_repo", "upload_folder", "create_tag"]
     assert calls[0][2] == {"private": True, "exist_ok": True}
     upload = calls[1][2]
-    assert upload["folder_path"] == str(root / "out") and "release-state.json*" in upload["ignore_patterns"]
+    assert upload["folder_path"] == str(root / "out") and "README.md" in upload["allow_patterns"]
+    assert not any(p.startswith(("release-state", ".reference")) for p in upload["allow_patterns"])
     assert calls[2][2] == {"tag": "v0.1.0", "revision": "c0ffee"}
     assert done["files"] == upload_plan(root / "out", spec)["files"] and done["commit"].endswith("c0ffee")

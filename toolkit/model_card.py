@@ -40,9 +40,8 @@ def _usage(out: Path, artifacts: list[dict]) -> list[str]:
                   f"tuneport serve --base {model}" + "".join(
                       f" --adapter {a['adapter']}={a['lora']}" for a in ggufs if a["lora"] and a["path"] == model),
                   "```"]
-    for a in artifacts:
-        if a["target"].startswith("vllm"):
-            lines += ["vLLM:", "```bash", f"{a['path']}/serve-vllm.sh --port 8000", "```"]
+    for target in dict.fromkeys(a["target"] for a in artifacts if a["target"].startswith("vllm")):
+        lines += ["vLLM:", "```bash", f"artifacts/{target}/serve-vllm.sh --port 8000", "```"]
     return lines
 
 
@@ -69,7 +68,8 @@ def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
         "",
         "Each artifact ran in its own engine (GGUF files in llama.cpp with an F32 KV cache; the vLLM bundle and "
         "merged models in vLLM, fp32) against the fine-tune in transformers + PEFT (fp32), "
-        f"on {recipe.eval.tokens} tokens of evaluation text; tokenizer, chat template and special tokens were "
+        f"on {max((a.get('tokens') or 0 for a in artifacts), default=recipe.eval.tokens)} tokens of evaluation "
+        "text; tokenizer, chat template and special tokens were "
         "checked against the HF tokenizer.",
         "",
         *rows,

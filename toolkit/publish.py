@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tuneport.convert.errors import UserError
 from tuneport.convert.io import sha256_file
 
 from .recipe import PublishSpec
@@ -15,14 +16,15 @@ PRIVATE_PARTS = (".reference", "release-state.json")
 
 
 def upload_plan(out: Path, spec: PublishSpec) -> dict:
-    files = []
-    for p in sorted(out.rglob("*")):
-        rel = p.relative_to(out)
-        if not p.is_file() or rel.parts[0] in PRIVATE_PARTS:
-            continue
-        size = p.stat().st_size
-        files.append({"path": rel.as_posix(), "bytes": size, "sha256": sha256_file(p),
-                      "lfs": p.suffix in LFS_SUFFIXES or size >= LFS_MIN_BYTES})
+    """What is uploaded: the files the release manifest lists (hashed when it was written), the manifest and
+    the model card."""
+    import json
+
+    listed = json.loads((out / "manifest.json").read_text())["outputs"]
+    extra = [{"path": n, "bytes": (out / n).stat().st_size, "sha256": sha256_file(out / n)}
+             for n in ("manifest.json", "README.md")]
+    files = [{**f, "lfs": Path(f["path"]).suffix in LFS_SUFFIXES or f["bytes"] >= LFS_MIN_BYTES}
+             for f in sorted([*listed, *extra], key=lambda f: f["path"])]
     return {"repo": spec.repo, "private": spec.private, "tag": spec.tag, "files": files,
             "operations": [f"create_repo {spec.repo} (private={spec.private}, exist_ok)",
                            f"upload_folder: 1 commit, {len(files)} files",
@@ -36,9 +38,14 @@ def publish(out: Path, spec: PublishSpec, dry_run: bool) -> dict:
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(spec.repo, private=spec.private, exist_ok=True)
-    commit = api.upload_folder(repo_id=spec.repo, folder_path=str(out), commit_message=f"tuneport release {out.name}",
-                               ignore_patterns=[f"{p}*" for p in PRIVATE_PARTS])
-    if spec.tag:
-        api.create_tag(spec.repo, tag=spec.tag, revision=getattr(commit, "oid", None))
+    try:
+        api.create_repo(spec.repo, private=spec.private, exist_ok=True)
+        commit = api.upload_folder(repo_id=spec.repo, folder_path=str(out), allow_patterns=[f["path"] for f in
+                                                                                             plan["files"]],
+                                   commit_message=f"tuneport release {out.name}")
+        if spec.tag:
+            api.create_tag(spec.repo, tag=spec.tag, revision=getattr(commit, "oid", None))
+    except Exception as e:  # network, auth, an existing tag: the hub's own message
+        raise UserError(f"publishing to {spec.repo} failed ({type(e).__name__}: {str(e)[:160]})",
+                        "check the token's write access and that the tag is new") from e
     return {"dry_run": False, **plan, "commit": getattr(commit, "commit_url", str(commit))}

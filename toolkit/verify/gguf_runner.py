@@ -19,6 +19,10 @@ class GGUFRunner:
     exact_logits = True  # logits, so max |Δlogit| is measured
 
     def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise UserError("verifying a GGUF file needs llama-cpp-python", "pip install 'tuneport[llamacpp]'") from e
         reader = open_gguf(model)
         if is_lora(reader):
             raise UserError(f"{model.name} is a GGUF LoRA, not a model",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -17,8 +16,6 @@ from ..fidelity import compare_logits
 from .gates import METRICS, parse_gates
 from .parity import chat_template_parity, special_tokens_parity, tokenizer_parity
 from .reference import greedy_prompt, reference
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -117,9 +114,11 @@ def verify(options: VerifyOptions | None = None, /, **fields) -> VerifyReport:
     if opts.lora is not None and opts.adapter is None:
         raise UserError("--lora needs --adapter", "pass the PEFT adapter the GGUF LoRA was made from")
     runner_cls = _runner_for(opts)
-    ref = reference(opts.reference, opts.adapter, opts.eval_file, opts.tokens, opts.greedy_tokens)
-    runner = runner_cls(Path(opts.artifact), Path(opts.lora) if opts.lora else None, n_ctx=max(64, len(ref.ids) + 8))
+    # the engine and the artifact are checked before the reference's fp32 run (minutes on a big model)
+    runner = runner_cls(Path(opts.artifact), Path(opts.lora) if opts.lora else None,
+                        n_ctx=max(64, opts.tokens + opts.greedy_tokens + 8))
     try:
+        ref = reference(opts.reference, opts.adapter, opts.eval_file, opts.tokens, opts.greedy_tokens)
         if hasattr(runner, "prepare"):  # engines that answer everything in one run
             runner.vocab_size = ref.logits.shape[-1]
             runner.prepare(ref.ids, greedy_prompt(ref.ids), len(ref.greedy))

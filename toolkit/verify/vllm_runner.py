@@ -15,15 +15,19 @@ from pathlib import Path
 import torch
 
 from tuneport.convert.errors import UserError
+from tuneport.convert.export_vllm import LAUNCH_JSON
+from tuneport.convert.vllm_rules import round_lora_rank
 
 TOP_K = 1000
 FLOOR_BELOW = 10.0  # nats below the smallest reported log-probability, for tokens vLLM did not report
 
 
 def _bundle_model(artifact: Path) -> Path:
-    launch = artifact / "vllm_launch.json"
+    launch = artifact / LAUNCH_JSON
     if launch.exists():
-        cmd = json.loads(launch.read_text())["command"]
+        cmd = json.loads(launch.read_text()).get("command", [])
+        if "--model" not in cmd[:-1]:
+            raise UserError(f"{launch} names no --model", "re-export the bundle with tuneport export --target vllm")
         return artifact / cmd[cmd.index("--model") + 1]
     if (artifact / "config.json").exists():
         return artifact
@@ -48,22 +52,23 @@ class VllmRunner:
             raise UserError(f"--lora {self.lora} is not a PEFT adapter directory",
                             "for vLLM artifacts pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
         self.tok = AutoTokenizer.from_pretrained(self.model_dir)
-        self.n_ctx = n_ctx
         self._runs: dict | None = None
         self._ids: list[int] | None = None
 
-    def _run(self, ids: list[int], greedy_prompt: list[int] | None = None, greedy_tokens: int = 0) -> dict:
+    def _run(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int) -> dict:
         import tempfile
 
         rank = None
         if self.lora is not None:
-            rank = json.loads((self.lora / "adapter_config.json").read_text()).get("r")
-            rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= int(rank or 8))
+            try:
+                rank = round_lora_rank(int(json.loads((self.lora / "adapter_config.json").read_text()).get("r") or 8))
+            except ValueError as e:
+                raise UserError(f"--lora {self.lora}: {e}", "vLLM cannot load this adapter") from e
         vocab = len(self.tok)
         job = {"model": str(self.model_dir), "lora": str(self.lora) if self.lora else None, "max_lora_rank": rank,
-               "ids": ids, "greedy_prompt": greedy_prompt or ids[:4], "greedy_tokens": max(1, greedy_tokens),
+               "ids": ids, "greedy_prompt": greedy_prompt, "greedy_tokens": max(1, greedy_tokens),
                "top_k": min(vocab, TOP_K),
-               "max_model_len": max(len(ids) + 1, len(greedy_prompt or ids[:4]) + max(greedy_tokens, 1))}
+               "max_model_len": max(len(ids) + 1, len(greedy_prompt) + max(greedy_tokens, 1))}
         with tempfile.TemporaryDirectory() as tmp:
             spec = Path(tmp) / "job.json"
             spec.write_text(json.dumps(job))
