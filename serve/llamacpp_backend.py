@@ -24,6 +24,7 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.export import export
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
+from tuneport.convert.gguf.runtime import chat_renderer
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.options import ExportOptions, model_name
 
@@ -127,20 +128,17 @@ class LlamaCppBackend(Backend):
         return self.llama.tokenize(text, self.add_bos if add_bos is None else add_bos, special=True)
 
     @functools.cached_property
-    def _chat_formatter(self):
-        """The GGUF's chat template compiled once (Jinja2), with the model's bos/eos text."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
+    def _chat_renderer(self):
+        """The GGUF's chat template compiled once, with the model's bos/eos text."""
         bos, eos = self.llama.special_token("bos"), self.llama.special_token("eos")
-        return Jinja2ChatFormatter(self.chat_template,
-                                   eos_token=self.llama.piece_text(eos) if eos is not None else "",
-                                   bos_token=self.llama.piece_text(bos) if bos is not None else "")
+        return chat_renderer(self.chat_template, self.llama.piece_text(bos) if bos is not None else "",
+                             self.llama.piece_text(eos) if eos is not None else "")
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         if not self.chat_template:
             raise ApiError("the model has no chat template", "use /v1/completions")
-        res = self._chat_formatter(messages=messages)
-        return self.llama.tokenize(res.prompt, not res.added_special, special=True)
+        prompt, add_bos = self._chat_renderer(messages)
+        return self.llama.tokenize(prompt, add_bos, special=True)
 
     def prompt_tokens(self, kind: Kind, body: dict) -> list[int]:
         if kind == "chat":

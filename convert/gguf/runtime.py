@@ -8,7 +8,7 @@ import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("tuneport.llamacpp")
 _lock = threading.Lock()
@@ -56,3 +56,17 @@ def current_log_callback() -> int | None:
     cb, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
     llama_cpp.llama_log_get(ctypes.byref(cb), ctypes.byref(user_data))
     return ctypes.cast(cb, ctypes.c_void_p).value
+
+
+def chat_renderer(template: str, bos_text: str, eos_text: str) -> Callable[[list[dict]], tuple[str, bool]]:
+    """A GGUF's chat template compiled once, rendered as llama-cpp-python renders it: ``messages ->
+    (prompt text, whether tokenizing it adds BOS)``. ``tuneport serve`` and ``tuneport verify`` both use it."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    formatter = Jinja2ChatFormatter(template, eos_token=eos_text, bos_token=bos_text)
+
+    def render(messages: list[dict]) -> tuple[str, bool]:
+        res = formatter(messages=messages)
+        return res.prompt, not res.added_special
+
+    return render

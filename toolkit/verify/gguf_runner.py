@@ -3,6 +3,7 @@ flash attention off, logits at every position; its own tokenizer, chat template 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import gguf_field, is_lora, open_gguf
+from tuneport.convert.gguf.runtime import chat_renderer
 
 from ..fidelity import llamacpp_logits, llamacpp_model
 
@@ -53,21 +55,21 @@ class GGUFRunner:
         """With the file's own special tokens added (llama.cpp's add_special), as HF's ``tok(text)``."""
         return self.llm.tokenize(text.encode(), add_bos=True, special=True)
 
-    def render_chat(self, messages: list[dict]) -> list[int] | None:
-        """The GGUF's chat template rendered as llama-cpp-python (and tuneport serve) render it."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        template = self.meta["tokenizer.chat_template"]
-        if not template:
-            return None
-
+    @functools.cached_property
+    def _chat_renderer(self):
         def text(key: str) -> str:
             tid = self.meta[key]
             return self.llm.detokenize([tid], special=True).decode("utf-8", "replace") if tid is not None else ""
 
-        res = Jinja2ChatFormatter(template, eos_token=text("tokenizer.ggml.eos_token_id"),
-                                  bos_token=text("tokenizer.ggml.bos_token_id"))(messages=messages)
-        return self.llm.tokenize(res.prompt.encode(), add_bos=not res.added_special, special=True)
+        return chat_renderer(self.meta["tokenizer.chat_template"], text("tokenizer.ggml.bos_token_id"),
+                             text("tokenizer.ggml.eos_token_id"))
+
+    def render_chat(self, messages: list[dict]) -> list[int] | None:
+        """The GGUF's chat template rendered as ``tuneport serve`` renders it (None: the file has none)."""
+        if not self.meta["tokenizer.chat_template"]:
+            return None
+        prompt, add_bos = self._chat_renderer(messages)
+        return self.llm.tokenize(prompt.encode(), add_bos=add_bos, special=True)
 
     def special_tokens(self) -> dict:
         return {"bos": self.meta["tokenizer.ggml.bos_token_id"], "eos": self.meta["tokenizer.ggml.eos_token_id"],
