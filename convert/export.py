@@ -28,6 +28,13 @@ TARGET_OPTIONS: dict[str, tuple[str, object]] = {
     "bpe_pre": ("--bpe-pre", None),
     "name": ("--name", None),
     "max_lora_rank": ("--max-lora-rank", None),
+    "quant_format": ("--format", None),
+    "group_size": ("--group-size", None),
+    "symmetric": ("--symmetric", False),
+    "ignore": ("--ignore", []),
+    "calib": ("--calib", None),
+    "calib_samples": ("--calib-samples", None),
+    "calib_seqlen": ("--calib-seqlen", None),
 }
 
 
@@ -40,6 +47,12 @@ def unquantized(ckpt: Checkpoint) -> None:
 
 def known_architecture(ckpt: Checkpoint) -> None:
     arch_for(ckpt.model_type)
+
+
+def awq_architecture(ckpt: Checkpoint) -> None:
+    from .awq.archs import awq_arch_for
+
+    awq_arch_for(arch_for(ckpt.model_type).model_type)
 
 
 def gguf_architecture(ckpt: Checkpoint) -> None:
@@ -66,9 +79,14 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            ("merge", "separate"), ("dtype", "max_lora_rank"), "export_vllm:export_vllm",
            checks=(unquantized, known_architecture)),
     Target("gguf", "llama.cpp / Ollama: a model per --quant type, GGUF LoRAs with --adapters separate, Modelfiles",
-           ("merge", "separate"), ("quant", "bpe_pre", "name"), "gguf.export:export_gguf",
+           ("merge", "separate"), ("quant", "bpe_pre", "name", "calib", "calib_samples", "calib_seqlen"),
+           "gguf.export:export_gguf",
            checks=(unquantized, gguf_architecture),
            instead=(("dtype", "choose the GGUF type with --quant (f32, bf16, f16, q8_0, ...)"),)),
+    Target("awq", "vLLM 4-bit (W4A16, activation-aware): compressed-tensors or AutoAWQ GEMM; adapters merged "
+           "or served over it", ("merge", "separate"),
+           ("dtype", "max_lora_rank", "quant_format", "group_size", "symmetric", "ignore", "calib", "calib_samples",
+            "calib_seqlen"), "awq.export:export_awq", checks=(unquantized, awq_architecture)),
 )}
 
 
@@ -136,7 +154,8 @@ def export(options: ExportOptions | None = None, /, *, progress: Progress | None
     """``tuneport export``: an artifact for one engine, written atomically (``target``: see ``TARGETS``).
 
     Pass an :class:`ExportOptions` or its fields as keywords (``base``, ``target``, ``out``, ``adapters``,
-    ``adapter_mode``, ``quant``, ``dtype``, ``max_lora_rank``, ``bpe_pre``, ``name``, ``force``,
+    ``adapter_mode``, ``quant``, ``dtype``, ``max_lora_rank``, ``bpe_pre``, ``name``, ``quant_format``,
+    ``group_size``, ``symmetric``, ``ignore``, ``calib``, ``calib_samples``, ``calib_seqlen``, ``force``,
     ``allow_pickle``); ``progress(done_bytes, total_bytes, item)`` is called as the output is written.
     """
     opts = coerce_options(ExportOptions, options, fields)

@@ -104,11 +104,20 @@ class ExportOptions(MergeOptions):
     bpe_pre: str | None = None  # gguf: llama.cpp's name for a byte-level BPE pre-tokenizer
     name: str | None = None  # gguf: file name stem
     max_lora_rank: int | None = None  # vllm: the --max-lora-rank the adapters must fit
+    quant_format: str | None = None  # awq: compressed-tensors (default) or awq-gemm
+    group_size: int | None = None  # awq: input columns per scale (32, 64, 128; default 128)
+    symmetric: bool = False  # awq: no zero points
+    ignore: list[str] = field(default_factory=list)  # awq: regexes of module names kept 16-bit
+    calib: Path | None = None  # awq, gguf: calibration text (plain text or .jsonl); default: built in
+    calib_samples: int | None = None  # awq, gguf: samples of calib_seqlen tokens (default 128)
+    calib_seqlen: int | None = None  # awq, gguf: tokens per sample (default 512)
 
     def __post_init__(self) -> None:
         from .export import check_target_options
 
         super().__post_init__()
+        self.calib = Path(self.calib).expanduser() if self.calib is not None else None
+        self.ignore = list(self.ignore or [])
         check_choice("--adapters", self.adapter_mode, ADAPTER_MODES)
         check_target_options(self)
 

@@ -1,0 +1,8 @@
+"""Activation-aware 4-bit weight quantization (AWQ, arXiv 2306.00978), one decoder block at a time.
+
+``quant`` is the group-wise integer math, ``formats`` the two checkpoint layouts vLLM loads
+(compressed-tensors ``pack-quantized`` and AutoAWQ GEMM), ``calib`` the calibration text, ``search``
+the scale and clipping searches, ``blocks`` the streaming pass through the decoder layers and
+``export`` the ``--target awq`` writer. The same pass yields llama.cpp importance matrices
+(``imatrix``).
+"""

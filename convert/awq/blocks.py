@@ -1,0 +1,170 @@
+"""The streaming calibration pass: token embeddings, then one decoder block at a time.
+
+Each block is built from transformers' own decoder-layer class for the architecture, its weights read
+(merged with any adapters) from disk, and run over every calibration sample; forward pre-hooks record,
+for the input of each group of linears, the per-channel mean |x| and mean x² over all tokens (AWQ's
+scale statistic and llama.cpp's importance matrix) and a fixed random subset of token rows (for the
+searches). The block's outputs become the next block's inputs, in place. Only one block's weights and
+the calibration activations are ever in memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..merge import MergePlan, merge_one
+from .archs import AWQArch
+
+BATCH = 8  # calibration samples per forward
+SEARCH_TOKENS = 2048  # token rows kept per group input for the scale and clip searches
+
+
+@dataclass
+class InputStats:
+    """Running statistics of one linear group's input ``x [tokens, in]``."""
+
+    sum_abs: torch.Tensor
+    sum_sq: torch.Tensor
+    count: int = 0
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.sum_abs / max(1, self.count)).float()
+
+    @property
+    def mean_sq(self) -> torch.Tensor:
+        return (self.sum_sq / max(1, self.count)).float()
+
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.rows) if self.rows else torch.empty(0, self.sum_abs.numel())
+
+
+@dataclass
+class Block:
+    """One decoder block after its calibration forward: the module (fp32, original weights) and the
+    statistics of each hooked linear's input (keyed by module path inside the block)."""
+
+    index: int
+    prefix: str  # checkpoint name prefix, "model.layers.3."
+    module: torch.nn.Module
+    stats: dict[str, InputStats]
+
+
+def _classes(arch: AWQArch):
+    mod = importlib.import_module(arch.module)
+    return getattr(mod, arch.layer_class), getattr(mod, arch.rotary_class), getattr(mod, arch.norm_class)
+
+
+def hf_config(config: dict):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("quantization_config",)})
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class BlockPass:
+    """Iterate over the blocks of ``plan``'s (merged) model with calibration ids ``[n, seqlen]``."""
+
+    def __init__(self, plan: MergePlan, arch: AWQArch, ids: torch.Tensor, hooked: tuple[str, ...],
+                 search_tokens: int = SEARCH_TOKENS, seed: int = 0) -> None:
+        self.plan = plan
+        self.arch = arch
+        self.ids = ids
+        self.hooked = hooked
+        self.config = hf_config(plan.config)
+        self.layer_cls, rotary_cls, self.norm_cls = _classes(arch)
+        self.n_layers = int(self.config.num_hidden_layers)
+        self.specs = {s.name: s for s in plan.specs}
+        self.layer_prefix = plan.base.arch.layer_prefix if plan.base.arch else "model.layers"
+        n, seq = ids.shape
+        self.per_sample = max(1, -(-search_tokens // n))
+        gen = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randperm(seq, generator=gen)[: self.per_sample].sort().values for _ in range(n)]
+        with torch.no_grad():
+            rotary = rotary_cls(config=self.config)
+            pos = torch.arange(seq).unsqueeze(0)
+            self.position_ids = pos
+            self.position_embeddings = rotary(torch.zeros(1, seq, 1), pos)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return merge_one(self.plan, self.specs[name]).float()
+
+    def embeddings(self) -> torch.Tensor:
+        embed = self.tensor(f"{self.plan.base.arch.embed}.weight")
+        return torch.nn.functional.embedding(self.ids, embed)
+
+    def load_block(self, i: int) -> torch.nn.Module:
+        prefix = f"{self.layer_prefix}.{i}."
+        with torch.device("meta"):
+            layer = self.layer_cls(self.config, layer_idx=i)
+        state = {n[len(prefix):]: self.tensor(n) for n in self.specs if n.startswith(prefix)}
+        layer.load_state_dict(state, strict=True, assign=True)
+        return layer.float().eval()
+
+    def blocks(self, progress: Callable[[int, int], None] | None = None) -> Iterator[Block]:
+        """Yield each block after its forward; ``self.hidden`` then holds its outputs (the next inputs)."""
+        self.hidden = self.embeddings()
+        for i in range(self.n_layers):
+            layer = self.load_block(i)
+            stats = self._forward(layer)
+            yield Block(i, f"{self.layer_prefix}.{i}.", layer, stats)
+            del layer
+            if progress:
+                progress(i + 1, self.n_layers)
+
+    def final_norm_stats(self) -> InputStats:
+        """Statistics of the lm_head's input (the final norm of the last block's output)."""
+        norm = self.norm_cls(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.load_state_dict({"weight": self.tensor(f"{self.arch.final_norm}.weight")})
+        stats = InputStats(torch.zeros(self.config.hidden_size, dtype=torch.float64),
+                           torch.zeros(self.config.hidden_size, dtype=torch.float64))
+        with torch.no_grad():
+            for b in range(0, len(self.hidden), BATCH):
+                x = norm(self.hidden[b:b + BATCH]).reshape(-1, self.config.hidden_size)
+                _accumulate(stats, x)
+        return stats
+
+    def _forward(self, layer: torch.nn.Module) -> dict[str, InputStats]:
+        stats: dict[str, InputStats] = {}
+        current: list[int] = []
+        handles = []
+
+        def hook(name: str):
+            def pre(_mod, args):
+                x = args[0]
+                st = stats.get(name)
+                if st is None:
+                    width = x.shape[-1]
+                    st = stats[name] = InputStats(torch.zeros(width, dtype=torch.float64),
+                                                  torch.zeros(width, dtype=torch.float64))
+                _accumulate(st, x.reshape(-1, x.shape[-1]))
+                for j, sample in enumerate(current):
+                    st.rows.append(x[j, self.rows[sample]].detach().clone())
+            return pre
+
+        for name in self.hooked:
+            handles.append(layer.get_submodule(name).register_forward_pre_hook(hook(name)))
+        try:
+            with torch.no_grad():
+                for b in range(0, len(self.hidden), BATCH):
+                    current[:] = range(b, min(b + BATCH, len(self.hidden)))
+                    out = layer(self.hidden[b:b + BATCH], attention_mask=None, position_ids=self.position_ids,
+                                position_embeddings=self.position_embeddings)
+                    self.hidden[b:b + BATCH] = out[0] if isinstance(out, tuple) else out
+        finally:
+            for h in handles:
+                h.remove()
+        return stats
+
+
+def _accumulate(st: InputStats, x: torch.Tensor) -> None:
+    x64 = x.double()
+    st.sum_abs += x64.abs().sum(0)
+    st.sum_sq += x64.pow(2).sum(0)
+    st.count += x.shape[0]

@@ -1,0 +1,75 @@
+"""AWQ on one decoder block: search and fold the scales of each group, clip, quantize, pack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .archs import AWQArch
+from .blocks import Block
+from .formats import AWQFormat
+from .quant import QuantizedWeight, QuantScheme, quantize
+from .search import apply_clip, search_clip, search_scale
+
+
+@dataclass
+class BlockResult:
+    tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor to write
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> its 4-bit weight
+    groups: list[dict] = field(default_factory=list)  # per scale group: alpha, loss vs round-to-nearest
+
+
+def hooked_modules(arch: AWQArch) -> tuple[str, ...]:
+    """The module whose input is recorded for each scale group (its linears share that input)."""
+    return tuple(g.linears[0] for g in arch.groups)
+
+
+@torch.no_grad()
+def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFormat, quantized: set[str],
+                   out_dtype: torch.dtype, awq: bool = True) -> BlockResult:
+    """``quantized``: full module names to write in 4 bits. ``awq=False`` is plain round-to-nearest."""
+    layer = block.module
+    inputs: dict[str, torch.Tensor] = {}
+    result = BlockResult({})
+    for group in arch.groups:
+        names = [n for n in group.linears if block.prefix + n in quantized]
+        stats = block.stats[group.linears[0]]
+        x = stats.sample()
+        for n in group.linears:
+            inputs[n] = x
+        prev = layer.get_submodule(group.prev)
+        mods = [layer.get_submodule(n) for n in group.linears]
+        if not awq or not names or prev.weight.shape[0] != mods[0].in_features:
+            continue  # e.g. v_proj -> o_proj under grouped-query attention: shapes differ, no fold
+        found = search_scale(x, stats.mean_abs, [layer.get_submodule(n).weight for n in names], scheme)
+        s = found.scale
+        if group.prev_kind == "norm":
+            prev.weight.div_(s)
+        else:
+            prev.weight.div_(s.view(-1, 1))
+            if getattr(prev, "bias", None) is not None:
+                prev.bias.div_(s)
+        for m in mods:
+            m.weight.mul_(s.view(1, -1))
+        xs = x / s
+        for n in group.linears:
+            inputs[n] = xs
+        result.groups.append({"group": group.linears, "alpha": found.alpha,
+                              "loss_vs_rtn": found.loss / found.loss_unscaled if found.loss_unscaled else 1.0})
+    for name in [n for g in arch.groups for n in g.linears]:
+        full = block.prefix + name
+        if full not in quantized:
+            continue
+        w = layer.get_submodule(name).weight
+        if awq and name not in arch.no_clip:
+            w = apply_clip(w, search_clip(inputs[name], w, scheme), scheme.group_size)
+        qw = quantize(w, scheme)
+        result.quantized[full] = qw
+        result.tensors.update(fmt.pack(qw, full))
+    for key, t in layer.state_dict().items():
+        full = block.prefix + key
+        if key.endswith(".weight") and full[: -len(".weight")] in quantized:
+            continue
+        result.tensors[full] = t.to(out_dtype) if t.is_floating_point() else t
+    return result

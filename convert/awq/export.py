@@ -1,0 +1,189 @@
+"""``export --target awq``: a complete 4-bit HF directory vLLM loads (compressed-tensors or AutoAWQ GEMM),
+adapters merged before quantizing, or written beside the quantized base for vLLM to serve over it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..arch import arch_for
+from ..errors import UserError
+from ..export import Progress, open_inputs
+from ..export_hf import copy_side_files
+from ..export_vllm import LAUNCH_SH, check_for_vllm, launch_args, write_launch, write_vllm_adapter
+from ..io import ShardedSafetensorsWriter, atomic_dir
+from ..manifest import input_entries, write_manifest
+from ..merge import CONFIG_DTYPE_NAMES, MergePlan, merge_one, plan_merge
+from ..options import ExportOptions, ExportResult, model_name
+from ..tensors import TensorMeta
+from ..vllm_rules import round_lora_rank
+from .archs import awq_arch_for
+from .blocks import BlockPass
+from .calib import load_calibration
+from .core import hooked_modules, quantize_block
+from .formats import DEFAULT_FORMAT, PACK, AWQFormat, format_for
+from .quant import QuantScheme
+
+log = logging.getLogger(__name__)
+AWQ_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def output_dtype(opts_dtype: str, fmt: AWQFormat, base_dtype: torch.dtype) -> torch.dtype:
+    if opts_dtype == "fp32":
+        raise UserError("--target awq writes 16-bit activations' scales; --dtype fp32 is not a choice",
+                        "use --dtype fp16 or bf16 (vLLM's W4A16 kernels run in 16-bit)")
+    if opts_dtype == "auto":
+        return base_dtype if base_dtype in fmt.scale_dtypes else torch.float16
+    dtype = AWQ_DTYPES[opts_dtype]
+    if dtype not in fmt.scale_dtypes:
+        raise UserError(f"--format {fmt.name} stores fp16 scales; --dtype {opts_dtype} is not a choice",
+                        "use --dtype fp16, or --format compressed-tensors")
+    return dtype
+
+
+def quantized_modules(plan: MergePlan, arch_groups, layer_prefix: str, n_layers: int, scheme: QuantScheme,
+                      ignore: list[str]) -> tuple[set[str], list[str], list[str]]:
+    """(modules written in 4 bits, modules kept 16-bit by --ignore, modules kept 16-bit by their shape)."""
+    try:
+        patterns = [re.compile(p) for p in ignore]
+    except re.error as e:
+        raise UserError(f"--ignore {e.pattern!r} is not a regular expression: {e}", "fix the pattern") from None
+    shapes = {s.name: s.shape for s in plan.specs}
+    chosen, ignored, unfit = set(), [], []
+    for i in range(n_layers):
+        for lin in [n for g in arch_groups for n in g.linears]:
+            name = f"{layer_prefix}.{i}.{lin}"
+            out_f, in_f = shapes[f"{name}.weight"]
+            if any(p.search(name) for p in patterns):
+                ignored.append(name)
+            elif in_f % scheme.group_size or out_f % PACK:
+                unfit.append(name)
+            else:
+                chosen.add(name)
+    return chosen, ignored, unfit
+
+
+def output_specs(plan: MergePlan, quantized: set[str], fmt: AWQFormat, scheme: QuantScheme,
+                 dtype: torch.dtype) -> list[TensorMeta]:
+    specs: list[TensorMeta] = []
+    for s in plan.specs:
+        module = s.name.removesuffix(".weight")
+        if s.name.endswith(".weight") and module in quantized:
+            out_f, in_f = s.shape
+            specs += [TensorMeta(n, d, tuple(sh)) for n, (d, sh) in fmt.shapes(out_f, in_f, scheme, module).items()]
+        else:
+            specs.append(TensorMeta(s.name, dtype if s.dtype.is_floating_point else s.dtype, s.shape))
+    return specs
+
+
+def load_tokenizer(plan: MergePlan):
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="tuneport-tok-") as d:
+        copy_side_files(plan, Path(d))
+        return AutoTokenizer.from_pretrained(d)
+
+
+def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    """Quantize (merged) weights block by block and write the HF directory, adapters and launch files."""
+    ckpt, loaded = open_inputs(opts, "awq")
+    arch = awq_arch_for(arch_for(ckpt.model_type).model_type)
+    fmt = format_for(opts.quant_format or DEFAULT_FORMAT)
+    separate = opts.adapter_mode == "separate"
+    if separate and not loaded:
+        raise UserError("--adapters separate needs at least one --adapter", "pass --adapter NAME=PATH")
+    if not separate and opts.max_lora_rank is not None:
+        raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
+    plan = plan_merge(ckpt, [] if separate else loaded)
+    results = check_for_vllm(ckpt, loaded, opts.max_lora_rank) if separate else []
+    src_dtype = max((s.dtype for s in plan.specs if s.dtype.is_floating_point and len(s.shape) == 2),
+                    key=lambda d: d.itemsize, default=torch.float32)
+    dtype = output_dtype(opts.dtype, fmt, src_dtype)
+    scheme = QuantScheme(4, opts.group_size or 128, opts.symmetric, scale_dtype=dtype)
+    layer_prefix = ckpt.arch.layer_prefix
+    n_layers = int(plan.config["num_hidden_layers"])
+    quantized, ignored, unfit = quantized_modules(plan, arch.groups, layer_prefix, n_layers, scheme, opts.ignore)
+    if not quantized:
+        raise UserError(f"no linear layer can be written with --group-size {scheme.group_size} "
+                        "(input width must divide by it, output width by 8)",
+                        "pass a smaller --group-size, or fewer --ignore patterns")
+    notes = list(plan.notes)
+    if unfit:
+        notes.append(f"{len(unfit)} linear(s) kept 16-bit: their widths do not fit --group-size "
+                     f"{scheme.group_size} (e.g. {unfit[0]})")
+    calib = load_calibration(load_tokenizer(plan), opts.calib, opts.calib_samples, opts.calib_seqlen,
+                             plan.config.get("max_position_embeddings"))
+    specs = output_specs(plan, quantized, fmt, scheme, dtype)
+    plan_specs = {s.name: s for s in plan.specs}
+    total = sum(s.nbytes for s in specs)
+    done = 0
+    groups: list[dict] = []
+    with atomic_dir(opts.out, force=opts.force) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=opts.max_shard_bytes)
+        try:
+            def put(name: str, t: torch.Tensor) -> None:
+                nonlocal done
+                writer.write(name, t)
+                done += t.numel() * t.element_size()
+                if progress:
+                    progress(done, total, name)
+
+            for s in plan.specs:
+                if not s.name.startswith(f"{layer_prefix}."):
+                    t = merge_one(plan, s)
+                    put(s.name, t.to(dtype) if t.is_floating_point() else t)
+            bp = BlockPass(plan, arch, calib.ids, hooked_modules(arch))
+            for block in bp.blocks():
+                res = quantize_block(block, arch, scheme, fmt, quantized, dtype)
+                groups += [{"layer": block.index, **g} for g in res.groups]
+                for name, t in res.tensors.items():
+                    put(name, t)
+                missing = [n for n in plan_specs if n.startswith(block.prefix)
+                           and n not in res.tensors and n.removesuffix(".weight") not in res.quantized]
+                if missing:
+                    raise RuntimeError(f"block {block.index} did not produce {missing[:3]}")
+            writer.close()
+        finally:
+            writer.stop()
+        hashes = writer.sha256()
+        ignore_names = ["lm_head", *ignored, *unfit] if fmt.name == "compressed-tensors" else [*ignored, *unfit]
+        config = {**plan.config, "torch_dtype": CONFIG_DTYPE_NAMES[dtype],
+                  "quantization_config": fmt.config(scheme, ignore_names)}
+        if "dtype" in plan.base.config:
+            config["dtype"] = CONFIG_DTYPE_NAMES[dtype]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        copy_side_files(plan, tmp)
+        served = model_name(ckpt.spec)
+        vllm_dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+        adapters: dict[str, str] = {}
+        fixes: dict[str, list[str]] = {}
+        for w, pf in zip(loaded if separate else [], results, strict=False):
+            write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
+            adapters[w.adapter.name] = f"adapters/{w.adapter.name}"
+            fixes[pf.adapter] = pf.fixes
+        max_rank = round_lora_rank(max(r for w in loaded for r in w.adapter.ranks)) if adapters else 0
+        write_launch(tmp, launch_args(".", served, adapters=adapters, max_rank=max_rank, dtype=vllm_dtype))
+        alphas = [g["alpha"] for g in groups]
+        details = {
+            "format": fmt.name, "bits": scheme.bits, "group_size": scheme.group_size, "symmetric": scheme.symmetric,
+            "quantized_modules": len(quantized), "kept_16bit": sorted([*ignored, *unfit]),
+            "calibration": calib.describe(),
+            "awq": {"groups_scaled": len(groups), "mean_alpha": sum(alphas) / len(alphas) if alphas else None,
+                    "mean_loss_vs_rtn": (sum(g["loss_vs_rtn"] for g in groups) / len(groups)) if groups else None},
+        }
+        options = {"adapters": opts.adapter_mode, "dtype": opts.dtype, "format": fmt.name,
+                   "group_size": scheme.group_size, "symmetric": scheme.symmetric, "ignore": opts.ignore,
+                   "calib": str(opts.calib) if opts.calib else None, "calib_samples": opts.calib_samples,
+                   "calib_seqlen": opts.calib_seqlen, "notes": notes}
+        if adapters:
+            options["max_lora_rank"] = max_rank
+        manifest = write_manifest(tmp, "awq", input_entries(ckpt, loaded), options,
+                                  known_hashes={tmp / p.name: h for p, h in hashes.items()},
+                                  extra={**details, "layers": groups, "fixes": fixes})
+    return ExportResult(opts.out, "awq", manifest, notes=[*notes, f"serve it with: {opts.out / LAUNCH_SH}"],
+                        fixes={k: v for k, v in fixes.items() if v}, details=details)
