@@ -115,10 +115,20 @@ def export(
     adapters: Annotated[AdapterMode, typer.Option("--adapters", help="Merge adapters or keep them separate")]
     = "merge",
     quant: Annotated[str | None, typer.Option("--quant", help="gguf: type(s), comma-separated")] = None,
-    dtype: Annotated[DType, typer.Option("--dtype", help="safetensors, vllm: output dtype")] = "auto",
+    dtype: Annotated[DType, typer.Option("--dtype", help="safetensors, vllm, awq: output dtype")] = "auto",
     max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank", help="vllm: rank limit to check")] = None,
     bpe_pre: Annotated[str | None, typer.Option("--bpe-pre", help="gguf: llama.cpp pre-tokenizer name")] = None,
     name: Annotated[str | None, typer.Option("--name", help="gguf: file name stem (default: base dir name)")] = None,
+    quant_format: Annotated[str | None, typer.Option("--format", help="awq: compressed-tensors (default) or "
+                                                     "awq-gemm")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="awq: 32, 64 or 128 (default)")] = None,
+    symmetric: Annotated[bool, typer.Option("--symmetric", help="awq: no zero points")] = False,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="awq: REGEX of modules kept 16-bit; "
+                                                     "repeatable")] = None,
+    calib: Annotated[Path | None, typer.Option("--calib", help="awq, gguf (importance matrix): calibration "
+                                               "text, plain or .jsonl (awq default: built in)")] = None,
+    calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="awq, gguf: samples (128)")] = None,
+    calib_seqlen: Annotated[int | None, typer.Option("--calib-seqlen", help="awq, gguf: tokens each (512)")] = None,
     force: Annotated[bool, typer.Option("--force")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
@@ -132,7 +142,9 @@ def export(
     opts = ExportOptions(
         base=base, target=Target(target).value, out=out, adapters=adapter or [],
         adapter_mode=AdapterMode(adapters).value, quant=quant, dtype=DType(dtype).value, max_lora_rank=max_lora_rank,
-        bpe_pre=bpe_pre, name=name, force=force, allow_pickle=allow_pickle)
+        bpe_pre=bpe_pre, name=name, quant_format=quant_format, group_size=group_size, symmetric=symmetric,
+        ignore=ignore or [], calib=calib, calib_samples=calib_samples, calib_seqlen=calib_seqlen, force=force,
+        allow_pickle=allow_pickle)
     with byte_progress(f"export {opts.target}", not as_json) as progress:
         result = run(opts, progress=progress)
     emit(result.to_dict(), as_json, _export_summary(result))
