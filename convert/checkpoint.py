@@ -152,6 +152,17 @@ class Checkpoint:
     def meta(self, name: str) -> TensorMeta:
         return self._metas[name]
 
+    def weight_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape ``name`` has in the float model: stored, or (4-bit checkpoints) unpacked from its
+        quantized tensors. None when the model has no such tensor."""
+        if name in self:
+            return self.meta(name).shape
+        if name.endswith(".weight") and self.quantization:
+            from .awq.formats import packed_weight_shape
+
+            return packed_weight_shape(self, name.removesuffix(".weight"))
+        return None
+
     def read(self, name: str) -> torch.Tensor:
         fname = self._where[name]
         if self.format == "safetensors":

@@ -70,8 +70,8 @@ def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "
                         "merge it on its own, then merge the others into that output")
 
     def base_shape(name: str) -> tuple[int, ...] | None:
-        if name in base:
-            return base.meta(name).shape
+        if (shape := base.weight_shape(name)) is not None:
+            return shape
         if name == head and tied and embed in base:
             return base.meta(embed).shape
         return None

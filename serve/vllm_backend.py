@@ -31,10 +31,24 @@ from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, ch
 from .errors import ApiError
 from .http import error_message
 from .pool import PoolError, check_name
-from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, zero_adapter
+from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
 
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def check_4bit_runs_here(ckpt: Checkpoint, dtype: str) -> None:
+    """A 4-bit (W4A16) base on vLLM's CPU build: 16-bit activations only, and AVX-512 (else vLLM loads the
+    model and dies at the first forward pass). Refused before vLLM starts."""
+    from tuneport.convert.awq.formats import quant_info
+    from tuneport.convert.cpu import require_w4a16_cpu
+
+    if not quant_info(ckpt.quantization or {}) or vllm_platform() != "cpu":
+        return
+    if dtype == "fp32":
+        raise UserError(f"{ckpt.path} has 4-bit weights: vLLM's CPU W4A16 kernel has no fp32 path",
+                        "drop --dtype fp32 (the model's own fp16/bf16 is used)")
+    require_w4a16_cpu()
 
 
 def config_rank(adapter_dir: Path) -> int:
@@ -55,6 +69,8 @@ class VllmPlan:
         self.ckpt = Checkpoint(resolve_model_path(opts.base))
         self.arch = arch_for(self.ckpt.model_type)
         self.name = model_name(opts.base)
+        if write:
+            check_4bit_runs_here(self.ckpt, opts.dtype)
         self.bugs = bugs_that_apply()
         self.guard = opts.vllm_base_guard == "on" or (opts.vllm_base_guard == "auto" and bool(self.bugs))
         # start-up adapters: where the user has them, and the directory vLLM loads (a fixed copy when needed)

@@ -84,12 +84,12 @@ def zero_adapter(base: Checkpoint, arch: ArchSpec, write: bool = True) -> Path:
     """A rank-1 all-zero PEFT adapter on the first LoRA module of layer 0, cached per base config and written
     once (``write=False``: only where it would be, for a dry run)."""
     prefix = f"{arch.layer_prefix}.0."
-    target = next((n for n in base.names() if n.startswith(prefix) and n.endswith(".weight")
-                   and n[: -len(".weight")].rsplit(".", 1)[-1] in arch.vllm_lora_modules), None)
-    if target is None:
+    modules = dict.fromkeys(n.rsplit(".", 1)[0] for n in base.names() if n.startswith(prefix))  # 4-bit too
+    module = next((m for m in modules if m.rsplit(".", 1)[-1] in arch.vllm_lora_modules
+                   and base.weight_shape(f"{m}.weight") is not None), None)
+    if module is None:
         raise ValueError(f"no LoRA-capable module in layer 0 of {base.path}")
-    module = target[: -len(".weight")]
-    out_f, in_f = base.meta(target).shape
+    out_f, in_f = base.weight_shape(f"{module}.weight")
     key = hashlib.sha256(json.dumps([base.config, module], sort_keys=True, default=str).encode()).hexdigest()[:20]
     out = cache_dir() / "vllm-guard" / key
     if not write:

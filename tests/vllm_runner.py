@@ -57,7 +57,7 @@ def main() -> None:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
         if "bundle" in job:
             model, opts, loras = launch_options(Path(job["bundle"]))
-            llm = LLM(model=str(model), dtype="float32", enable_lora=True,
+            llm = LLM(model=str(model), dtype=job.get("dtype", "float32"), enable_lora=True,
                       max_lora_rank=int(opts["max_lora_rank"]), max_loras=int(opts["max_loras"]),
                       max_cpu_loras=int(opts["max_cpu_loras"]), max_model_len=256, enforce_eager=True, seed=0)
             names = list(loras)
@@ -69,7 +69,8 @@ def main() -> None:
             n = len(prompts)
             results.append({name: toks[i * n:(i + 1) * n] for i, name in enumerate(names)})
         else:
-            llm = LLM(model=job["model"], dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+            llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=256, enforce_eager=True,
+                      seed=0)
             outs = llm.generate(prompts, sp, use_tqdm=False)
             results.append({"": [list(o.outputs[0].token_ids) for o in outs]})
         del llm

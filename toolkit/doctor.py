@@ -60,6 +60,9 @@ def doctor_report() -> dict:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         pass
+    from tuneport.convert.cpu import w4a16_cpu_problem
+
+    w4a16 = w4a16_cpu_problem()
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -70,6 +73,7 @@ def doctor_report() -> dict:
         "nvidia_smi": shutil.which("nvidia-smi") is not None,
         "engines": engines,
         "vllm_known_bugs": bugs,
+        "vllm_w4a16_cpu": {"ok": w4a16 is None, "reason": w4a16 or ""},
     }
 
 
@@ -86,4 +90,7 @@ def format_doctor(r: dict) -> str:
     for b in r.get("vllm_known_bugs", []):
         lines.append(f"vLLM known bug on {b['platform']}: {b['key']} ({b['upstream']}); "
                      f"tuneport serve works around it ({b['mitigation']})")
+    w4 = r.get("vllm_w4a16_cpu") or {"ok": True}
+    lines.append("vLLM 4-bit (AWQ/compressed-tensors) on this CPU: "
+                 + ("ok (AVX-512)" if w4["ok"] else f"no: {w4['reason']}"))
     return "\n".join(lines)

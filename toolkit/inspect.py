@@ -114,6 +114,7 @@ def inspect_model(spec: str) -> dict:
                 kind = "merged-checkpoint"
         except ValueError:
             pass
+    weights_4bit = _weight_quantization(ck)
     if quant:
         kind = "quantized-checkpoint"
     vllm_ok = arch is not None or bool(set(ck.config.get("architectures") or []))
@@ -139,10 +140,27 @@ def inspect_model(spec: str) -> dict:
         "vocab_size": ck.config.get("vocab_size"),
         "tied_embeddings": ck.tied_embeddings,
         "quantization": quant,
+        "weight_quantization": weights_4bit,
         "made_by": made_by,
         "tokenizer_files": [f.name for f in ck.side_files()],
         "engines": engines,
     }
+
+
+def _weight_quantization(ck: Checkpoint) -> dict | None:
+    """A 4-bit checkpoint in a format tuneport writes (compressed-tensors pack-quantized, AutoAWQ GEMM): its
+    scheme and which modules are quantized."""
+    from tuneport.convert.awq.formats import FORMATS, quant_info
+
+    info = quant_info(ck.quantization or {})
+    if info is None:
+        return None
+    marker = f".{FORMATS[info['format']].marker}"
+    modules = sorted(n.removesuffix(marker) for n in ck.names() if n.endswith(marker))
+    kinds = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    return {**info, "quantized_modules": len(modules), "module_kinds": kinds,
+            "kept_16bit": sorted(n.removesuffix(".weight") for n in ck.names()
+                                 if n.endswith(".weight") and len(ck.meta(n).shape) == 2)}
 
 
 def inspect_gguf(path: Path) -> dict:
@@ -198,6 +216,11 @@ def format_report(r: dict) -> str:
     keys = ["architecture", "base_model", "parameters", "dtype", "bytes", "files", "vocab_size", "tied_embeddings",
             "r", "lora_alpha", "ranks", "targets", "modules_to_save", "quant_types", "tensors", "chat_template",
             "lora_alpha", "quantization", "made_by"]
+    if wq := r.get("weight_quantization"):
+        keys.remove("quantization")
+        lines.append(f"  {'quantization':16} {wq['format']} {wq['bits']}-bit, group {wq['group_size']}, "
+                     f"{'symmetric' if wq['symmetric'] else 'asymmetric'}; {wq['quantized_modules']} modules "
+                     f"({', '.join(wq['module_kinds'])}); 16-bit: {', '.join(wq['kept_16bit']) or 'none'}")
     for k in dict.fromkeys(keys):
         if k in r and r[k] not in (None, [], {}):
             v = _size(r[k]) if k == "bytes" else (f"{r[k]:,}" if k == "parameters" else r[k])

@@ -171,6 +171,16 @@ def quant_info(quantization_config: dict) -> dict | None:
     return None
 
 
+def packed_weight_shape(ckpt, module: str) -> tuple[int, int] | None:
+    """``[out, in]`` of ``module`` in a 4-bit checkpoint (either format), from its packed tensors."""
+    if f"{module}.weight_shape" in ckpt:
+        out_f, in_f = (int(x) for x in ckpt.read(f"{module}.weight_shape").tolist())
+        return out_f, in_f
+    if f"{module}.qweight" in ckpt and f"{module}.scales" in ckpt:
+        return ckpt.meta(f"{module}.scales").shape[1], ckpt.meta(f"{module}.qweight").shape[0]
+    return None
+
+
 def scheme_of(quantization_config: dict) -> tuple[str, QuantScheme] | None:
     """(format name, scheme) of a checkpoint tuneport can decode, or None."""
     info = quant_info(quantization_config)

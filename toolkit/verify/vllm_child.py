@@ -1,5 +1,6 @@
-"""Run in a child process by :mod:`.vllm_runner`: vLLM (in-process engine, fp32, CPU or GPU) on one model,
-with and without a LoRA; prints the top-k log-probabilities at every position and greedy tokens as JSON.
+"""Run in a child process by :mod:`.vllm_runner`: vLLM (in-process engine; fp32, or a 4-bit model's own 16-bit
+dtype) on one model, with and without a LoRA; prints the top-k log-probabilities at every position and
+greedy tokens as JSON.
 
 Usage: python -m tuneport.toolkit.verify.vllm_child JOB.json
 """
@@ -27,7 +28,7 @@ def main() -> None:
 
     job = json.loads(Path(sys.argv[1]).read_text())
     k, ids = job["top_k"], job["ids"]
-    llm = LLM(model=job["model"], dtype="float32", enable_lora=bool(job["lora"]),
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enable_lora=bool(job["lora"]),
               max_lora_rank=job.get("max_lora_rank") or 16, max_loras=1, max_model_len=job["max_model_len"],
               enforce_eager=True, seed=0, max_logprobs=k)
     runs = {"lora": LoRARequest("verify", 1, job["lora"])} if job["lora"] else {}

@@ -35,6 +35,19 @@ def _bundle_model(artifact: Path) -> Path:
                     "pass a directory written by tuneport export --target vllm or --target safetensors")
 
 
+def compute_dtype(model_dir: Path) -> str:
+    """fp32 for float models; a 4-bit model (AWQ / compressed-tensors) runs in its own 16-bit dtype, since
+    vLLM's W4A16 kernels have no fp32 path (and on CPU need AVX-512)."""
+    from tuneport.convert.awq.formats import quant_info
+    from tuneport.convert.cpu import require_w4a16_cpu
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if not quant_info(cfg.get("quantization_config") or {}):
+        return "float32"
+    require_w4a16_cpu()
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+
+
 class VllmRunner:
     engine = "vLLM"
     exact_logits = False
@@ -52,6 +65,7 @@ class VllmRunner:
             raise UserError(f"--lora {self.lora} is not a PEFT adapter directory",
                             "for vLLM artifacts pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
         self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        self.dtype = compute_dtype(self.model_dir)
         self._runs: dict | None = None
         self._ids: list[int] | None = None
 
@@ -66,6 +80,7 @@ class VllmRunner:
                 raise UserError(f"--lora {self.lora}: {e}", "vLLM cannot load this adapter") from e
         vocab = len(self.tok)
         job = {"model": str(self.model_dir), "lora": str(self.lora) if self.lora else None, "max_lora_rank": rank,
+               "dtype": self.dtype,
                "ids": ids, "greedy_prompt": greedy_prompt, "greedy_tokens": max(1, greedy_tokens),
                "top_k": min(vocab, TOP_K),
                "max_model_len": max(len(ids) + 1, len(greedy_prompt) + max(greedy_tokens, 1))}
