@@ -1,0 +1,317 @@
+"""``export --target awq``: the 4-bit math and both formats bit-exact, transformers' compressed-tensors
+reader agreeing with tuneport's dequantization, the streaming block pass equal to transformers' own forward,
+AWQ better than round-to-nearest on a trained model, real vLLM loading both formats, and an adapter served
+over the AWQ base through ``tuneport serve --engine vllm``."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tuneport
+from tuneport.convert.awq.archs import awq_arch_for
+from tuneport.convert.awq.blocks import BlockPass
+from tuneport.convert.awq.calib import HELDOUT_MODULES, stdlib_text, token_chunks
+from tuneport.convert.awq.formats import FORMATS, scheme_of
+from tuneport.convert.awq.quant import QuantScheme, dequantize, fake_quantize, quantize
+from tuneport.convert.checkpoint import Checkpoint
+from tuneport.convert.cpu import w4a16_cpu_problem
+from tuneport.convert.merge import plan_merge
+
+SCHEMES = [(g, sym) for g in (32, 64, 128) for sym in (True, False)]
+
+
+@pytest.mark.parametrize("group,symmetric", SCHEMES)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pack_unpack_round_trip_is_bit_exact(fmt, group, symmetric):
+    torch.manual_seed(group + symmetric)
+    w = torch.randn(96, 256) * torch.rand(256) * 3  # uneven columns, as real weights
+    scheme = QuantScheme(group_size=group, symmetric=symmetric)
+    qw = quantize(w, scheme)
+    packed = FORMATS[fmt].pack(qw, "m")
+    planned = FORMATS[fmt].shapes(96, 256, scheme, "m")
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in packed.items()} == planned
+    back = FORMATS[fmt].unpack(packed, "m", scheme)
+    assert torch.equal(back.q, qw.q) and torch.equal(back.scale, qw.scale)
+    assert (back.zero is None) == symmetric and (symmetric or torch.equal(back.zero, qw.zero))
+    assert torch.equal(dequantize(back), fake_quantize(w, scheme))  # what the engines compute with
+
+
+def test_compressed_tensors_packing_matches_its_own_packer():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    qw = quantize(torch.randn(64, 128), QuantScheme(group_size=32))
+    packed = FORMATS["compressed-tensors"].pack(qw, "m")
+    assert torch.equal(packed["m.weight_packed"], pack_to_int32(qw.q, 4))
+    assert torch.equal(packed["m.weight_zero_point"], pack_to_int32(qw.zero, 4, packed_dim=0))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_block_pass_equals_the_whole_model_forward(zoo, arch):
+    from transformers import AutoModelForCausalLM
+
+    base = zoo.base(arch)
+    ckpt = Checkpoint(str(base))
+    ids = torch.randint(3, 400, (3, 24), generator=torch.Generator().manual_seed(0))
+    bp = BlockPass(plan_merge(ckpt, []), awq_arch_for(arch), ids, ("self_attn.q_proj", "mlp.down_proj"))
+    blocks = list(bp.blocks())
+    assert [b.index for b in blocks] == [0, 1] and blocks[-1].stats["mlp.down_proj"].count == 3 * 24
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states[-1]
+        assert torch.equal(model.model.norm(bp.hidden), want)
+
+
+@pytest.fixture(scope="module")
+def tiny_awq(zoo, tmp_path_factory):
+    root = tmp_path_factory.mktemp("awq")
+    out = {}
+    for fmt in FORMATS:
+        out[fmt] = root / fmt
+        tuneport.export(base=zoo.base("llama"), adapters=[zoo.adapter("llama", "all_linear")], target="awq",
+                        out=out[fmt], quant_format=fmt, group_size=32, calib_samples=8, calib_seqlen=64)
+    return out
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    t: dict[str, torch.Tensor] = {}
+    for f in d.glob("*.safetensors"):
+        t.update(load_file(f))
+    return t
+
+
+def test_export_writes_a_complete_4bit_directory(tiny_awq, cli):
+    for fmt, d in tiny_awq.items():
+        cfg = json.loads((d / "config.json").read_text())
+        name, scheme = scheme_of(cfg["quantization_config"])
+        assert name == fmt and scheme.group_size == 32 and not scheme.symmetric
+        assert cfg["torch_dtype"] == "float16"
+        manifest = json.loads((d / "manifest.json").read_text())
+        assert manifest["target"] == "awq" and manifest["format"] == fmt and manifest["quantized_modules"] == 14
+        assert manifest["calibration"]["samples"] == 8 and manifest["awq"]["groups_scaled"] > 0
+        t = _tensors(d)
+        assert t["model.embed_tokens.weight"].dtype == torch.float16 and t["lm_head.weight"].dtype == torch.float16
+        assert "model.layers.0.self_attn.q_proj.weight" not in t
+        assert {"tokenizer.json", "generation_config.json", "serve-vllm.sh"} <= {p.name for p in d.iterdir()} or \
+            {"tokenizer.model", "generation_config.json", "serve-vllm.sh"} <= {p.name for p in d.iterdir()}
+        code, out, _ = cli("inspect", d, "--json")
+        wq = json.loads(out)["weight_quantization"]
+        assert code == 0 and wq["format"] == fmt and wq["bits"] == 4 and wq["group_size"] == 32
+        assert wq["quantized_modules"] == 14 and wq["kept_16bit"] == ["lm_head", "model.embed_tokens"]
+
+
+def test_transformers_compressed_tensors_decompresses_to_our_weights(tiny_awq):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    d = tiny_awq["compressed-tensors"]
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float16,
+                                                 quantization_config=CompressedTensorsConfig(run_compressed=False))
+    state = model.state_dict()
+    t = _tensors(d)
+    _, scheme = scheme_of(json.loads((d / "config.json").read_text())["quantization_config"])
+    modules = [k.removesuffix(".weight_packed") for k in t if k.endswith(".weight_packed")]
+    assert len(modules) == 14
+    for m in modules:
+        assert torch.equal(dequantize(FORMATS["compressed-tensors"].unpack(t, m, scheme), torch.float16),
+                           state[f"{m}.weight"]), m
+
+
+def test_ignore_keeps_modules_16bit(zoo, tmp_path):
+    out = tmp_path / "awq"
+    res = tuneport.export(base=zoo.base("llama"), target="awq", out=out, group_size=32, calib_samples=4,
+                          calib_seqlen=32, ignore=[r"mlp\.down_proj$"])
+    t = _tensors(out)
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == torch.float16
+    assert "model.layers.1.mlp.up_proj.weight_packed" in t
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["ignore"] == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert res.details["quantized_modules"] == 12
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["--calib", "/nonexistent.txt"], "--calib /nonexistent.txt: no such file"),
+    (["--ignore", "("], "--ignore '(' is not a regular expression"),
+    (["--format", "gptq"], "unknown --format 'gptq'"),
+    (["--group-size", "48"], "unsupported --group-size 48"),
+    (["--dtype", "fp32"], "--dtype fp32 is not a choice"),
+    (["--format", "awq-gemm", "--dtype", "bf16"], "stores fp16 scales"),
+    (["--calib-seqlen", "4096"], "exceeds the model's context"),
+    (["--quant", "q4_k_m"], "--quant does not apply to --target awq"),
+])
+def test_bad_awq_input_exits_2_and_writes_nothing(zoo, tmp_path, cli, args, problem):
+    out = tmp_path / "out"
+    code, stdout, err = cli("export", "--base", zoo.base("llama"), "--target", "awq", "--out", out,
+                            "--calib-samples", "2", *args)
+    assert code == 2 and problem in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and "Traceback" not in err
+
+
+def test_architecture_without_an_awq_entry_is_refused_with_the_reason(zoo, tmp_path, cli):
+    code, _, err = cli("export", "--base", zoo.base("phi3"), "--target", "awq", "--out", tmp_path / "o")
+    assert code == 2 and "AWQ does not support architecture 'phi3' (fused qkv_proj" in err
+
+
+# -- quality on a trained model --------------------------------------------------------------------
+
+def _heldout(base: Path, n: int = 24, seqlen: int = 128) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    return torch.tensor(token_chunks(AutoTokenizer.from_pretrained(base), stdlib_text(HELDOUT_MODULES), seqlen)[:n])
+
+
+def _kl(ref: torch.Tensor, model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits.double(), -1)
+    return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+
+def _model_from(base: Path, state: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _awq_state(base_state: dict, d: Path) -> dict[str, torch.Tensor]:
+    """The AWQ artifact as fp32 weights: each 4-bit linear dequantized, every other tensor upcast."""
+    cfg = json.loads((d / "config.json").read_text())
+    fmt, scheme = scheme_of(cfg["quantization_config"])
+    t = _tensors(d)
+    out = {}
+    for k in base_state:
+        m = k.removesuffix(".weight")
+        marker = f"{m}.{FORMATS[fmt].marker}"
+        out[k] = dequantize(FORMATS[fmt].unpack(t, m, scheme)) if marker in t else t[k].float()
+    return out
+
+
+@pytest.mark.slow
+def test_awq_beats_round_to_nearest_on_a_trained_model(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from tuneport.toolkit.tiny.trained import trained_llama
+
+    base = trained_llama()
+    ids = _heldout(base)
+    fp32 = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(fp32(ids).logits.double(), -1)
+    base_state = fp32.state_dict()
+    rows = []
+    for group, symmetric in ((128, False), (64, True), (32, False)):
+        out = tmp_path / f"awq-{group}-{symmetric}"
+        tuneport.export(base=base, target="awq", out=out, group_size=group, symmetric=symmetric)
+        scheme = QuantScheme(group_size=group, symmetric=symmetric)
+        rtn = {k: fake_quantize(v, scheme) if ".layers." in k and k.endswith("proj.weight") else v.half().float()
+               for k, v in base_state.items()}
+        kl_awq = _kl(ref, _model_from(base, _awq_state(base_state, out)), ids)
+        kl_rtn = _kl(ref, _model_from(base, rtn), ids)
+        rows.append((group, symmetric, kl_awq, kl_rtn))
+    with capsys.disabled():
+        print("\nKL(fp32 || 4-bit) on held-out text, trained llama (transformers fp32 compute):")
+        for group, symmetric, a, r in rows:
+            print(f"  group {group:3} {'sym ' if symmetric else 'asym'}  AWQ {a:.5f}  round-to-nearest {r:.5f}  "
+                  f"ratio {a / r:.2f}")
+    assert all(a < r for _, _, a, r in rows), rows
+
+
+# -- real vLLM ---------------------------------------------------------------------------------------
+
+needs_w4a16 = pytest.mark.skipif(w4a16_cpu_problem() is not None and not torch.cuda.is_available(),
+                                 reason=f"vLLM W4A16 cannot run here: {w4a16_cpu_problem()}")
+
+
+@pytest.fixture(scope="module")
+def trained_awq(tmp_path_factory):
+    from tuneport.toolkit.tiny.adapters import make_adapter
+    from tuneport.toolkit.tiny.trained import trained_llama
+
+    root = tmp_path_factory.mktemp("trained-awq")
+    base = trained_llama()
+    adapter = make_adapter(base, "all_linear", root / "style")
+    out = {"base": base, "adapter": adapter}
+    for fmt in FORMATS:
+        out[fmt] = root / fmt
+        tuneport.export(base=base, target="awq", out=out[fmt], quant_format=fmt)
+    out["separate"] = root / "separate"
+    tuneport.export(base=base, target="awq", out=out["separate"], adapters=[f"style={adapter}"],
+                    adapter_mode="separate")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_w4a16
+def test_vllm_loads_both_formats_and_stays_close_to_fp32(trained_awq, tmp_path, capsys):
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(stdlib_text(HELDOUT_MODULES)[:6000])
+    reports = {fmt: tuneport.verify(artifact=trained_awq[fmt], reference=trained_awq["base"], eval_file=heldout,
+                                    tokens=384, default_gates=False) for fmt in FORMATS}
+    with capsys.disabled():
+        print("\nvLLM (W4A16, fp16 activations) vs transformers fp32 on held-out text:")
+        for fmt, r in reports.items():
+            m = r.metrics
+            print(f"  {fmt:18} KL {m['kl']:.5f}  top-1 {m['top1']:.3f}  ppl ratio {m['ppl_ratio']:.4f}  "
+                  f"greedy {m['greedy']:.2f}")
+    for r in reports.values():
+        assert r.engine == "vLLM" and r.metrics["kl"] < 0.05 and r.metrics["top1"] > 0.85
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_w4a16
+def test_adapter_served_over_the_awq_base(trained_awq, tmp_path, capsys):
+    """Mixed adapter and base traffic at concurrency 8 through tuneport serve: equal to vLLM serving the
+    adapter alone over the same AWQ base, and close to the fp32 base + adapter."""
+    from transformers import AutoTokenizer
+    from vllm_runner_client import run_vllm_jobs
+
+    from tuneport.toolkit.fidelity import greedy, load_peft
+
+    base, adapter, awq = trained_awq["base"], trained_awq["adapter"], trained_awq["separate"]
+    tok = AutoTokenizer.from_pretrained(base)
+    prompts = [tok(t)["input_ids"] for t in ("Return the value of the", "Create a new instance of",
+                                             "If the file does not exist,", "This module provides")]
+    n_tokens = 12
+    alone = run_vllm_jobs([{"bundle": str(awq), "prompts": prompts, "max_tokens": n_tokens, "dtype": "float16"},
+                           {"model": str(awq), "prompts": prompts, "max_tokens": n_tokens, "dtype": "float16"}],
+                          tmp_path)
+    server = tuneport.serve(base=awq, adapters={"style": adapter}, engine="vllm", max_adapters=2,
+                            max_model_len=256, vllm_args=["--enforce-eager", "--max-num-seqs", "16"],
+                            log_file=tmp_path / "vllm.log", port=0)
+    try:
+        jobs = [("style" if i % 2 else "separate", i // 2 % len(prompts)) for i in range(32)]
+
+        def one(job):
+            model, p = job
+            r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+                "model": model, "prompt": prompts[p], "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(8) as ex:
+            served = list(ex.map(one, jobs))
+    finally:
+        server.close()
+    want = {"style": alone[0]["style"], "separate": alone[1][""]}
+    wrong = [(m, p) for (m, p), got in zip(jobs, served, strict=True) if got != want[m][p]]
+    peft = load_peft(base, adapter)
+    ref = [greedy(peft, p, n_tokens) for p in prompts]
+    agree = sum(a == b for r, s in zip(ref, want["style"], strict=True) for a, b in zip(r, s, strict=True))
+    report = tuneport.verify(artifact=awq, reference=base, adapter=adapter, lora=awq / "adapters" / "style",
+                             tokens=256, default_gates=False)
+    with capsys.disabled():
+        print(f"\nadapter over the AWQ base (vLLM, fp16): greedy agreement with fp32 base + adapter "
+              f"{agree}/{len(prompts) * n_tokens} tokens; KL {report.metrics['kl']:.5f}, "
+              f"top-1 {report.metrics['top1']:.3f}; mixed traffic equals the adapter alone: {not wrong}")
+    assert not wrong, f"{len(wrong)} of {len(jobs)} served answers differ from vLLM alone: {wrong[:4]}"
+    assert report.metrics["kl"] < 0.05 and agree >= 0.6 * len(prompts) * n_tokens
