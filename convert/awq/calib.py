@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,13 @@ HELDOUT_MODULES = ("bisect", "calendar", "difflib", "gzip", "hashlib", "mimetype
 def stdlib_text(modules: tuple[str, ...] = CALIB_MODULES) -> str:
     """The docstrings of ``modules`` and their public classes, methods and functions, in a fixed order."""
     docs: list[str] = []
+    with warnings.catch_warnings():  # deprecated aliases (typing.io, ...) warn when their docs are read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _collect(modules, docs)
+    return "\n\n".join(d for d in dict.fromkeys(docs) if len(d) > 40)
+
+
+def _collect(modules: tuple[str, ...], docs: list[str]) -> None:
     for name in modules:
         try:
             mod = importlib.import_module(name)
@@ -53,7 +61,6 @@ def stdlib_text(modules: tuple[str, ...] = CALIB_MODULES) -> str:
                 for mname, member in sorted(vars(obj).items()):
                     if not mname.startswith("_") and inspect.isfunction(member):
                         docs.append(inspect.getdoc(member) or "")
-    return "\n\n".join(d for d in dict.fromkeys(docs) if len(d) > 40)
 
 
 def read_calib_file(path: Path) -> str:
