@@ -43,7 +43,7 @@ def test_good_recipe_and_its_gates():
 
 @pytest.mark.parametrize(("change", "says"), [
     (("q4_0]", "q9_k]"), "targets[0].quant: 'q9_k' is not a GGUF type"),
-    (("type: vllm", "type: awq"), "targets[1]: type 'awq' is not a target (allowed: gguf, vllm, safetensors)"),
+    (("type: vllm", "type: mlx"), "targets[1]: type 'mlx' is not a target (allowed: gguf, vllm, safetensors, awq)"),
     (("version: 0.1.0\n", ""), "version: missing key"),
     (("tag: v0.1.0", "tga: v0.1.0"), "publish.tga: unknown key"),
     (("adapters: separate", "adapters: both"), "targets[0].adapters: Input should be 'merge' or 'separate'"),

@@ -203,3 +203,20 @@ def test_push_is_one_commit_with_every_file_and_a_tag(released, monkeypatch):
     assert not any(p.startswith(("release-state", ".reference")) for p in upload["allow_patterns"])
     assert calls[2][2] == {"tag": "v0.1.0", "revision": "c0ffee"}
     assert done["files"] == upload_plan(root / "out", spec)["files"] and done["commit"].endswith("c0ffee")
+
+
+@pytest.mark.skipif(__import__("tuneport.convert.cpu", fromlist=["x"]).w4a16_cpu_problem() is not None,
+                    reason="vLLM's CPU W4A16 kernel needs AVX-512")
+def test_awq_target_is_released_verified_in_vllm_and_gated(inputs, tmp_path):
+    from tuneport.toolkit.release import release
+
+    recipe = write_recipe(tmp_path / "recipe.yaml", *inputs, gates="{kl: {default: 0.5}}", targets="""
+  - {type: awq, group_size: 64, calib_samples: 8, calib_seqlen: 64}""")
+    summary = release(recipe=recipe, out=tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    [awq] = manifest["artifacts"]
+    assert summary["passed"] and awq["target"] == "awq-merge" and awq["engine"] == "vLLM" and awq["passed"]
+    assert 0 < awq["metrics"]["kl"] < 0.5
+    cfg = json.loads((tmp_path / "out" / "artifacts" / "awq-merge" / "config.json").read_text())
+    assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 64
+    assert f"{awq['metrics']['kl']:.2e}" in (tmp_path / "out" / "README.md").read_text()

@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tuneport.convert.awq import FORMAT_NAMES, GROUP_SIZES
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.quant_types import QUANT_TYPES
 from tuneport.convert.options import ADAPTER_MODES, DTYPES
@@ -71,7 +72,20 @@ class SafetensorsTarget(_Strict):
     dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
 
 
-Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget, Field(discriminator="type")]
+class AWQTarget(_Strict):
+    type: Literal["awq"]
+    adapters: Literal[ADAPTER_MODES] = "merge"  # type: ignore[valid-type]
+    format: Literal[FORMAT_NAMES] = "compressed-tensors"  # type: ignore[valid-type]
+    group_size: Literal[GROUP_SIZES] = 128  # type: ignore[valid-type]
+    symmetric: bool = False
+    ignore: list[str] = []
+    calib: str | None = None  # calibration text (relative to the recipe); default: built in
+    calib_samples: Annotated[int, Field(ge=1)] | None = None
+    calib_seqlen: Annotated[int, Field(ge=2)] | None = None
+
+
+Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget | AWQTarget, Field(discriminator="type")]
+TARGET_TYPES = ("gguf", "vllm", "safetensors", "awq")
 
 
 class EvalSpec(_Strict):
@@ -144,7 +158,7 @@ def _where(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("gguf", "vllm", "safetensors") and "[" not in str(part):  # union branches, validators
+        elif part not in TARGET_TYPES and "[" not in str(part):  # union branches, validators
             out += f".{part}" if out else str(part)
     return out or "(top level)"
 
@@ -156,7 +170,7 @@ def _explain(err: dict) -> str:
     if kind == "missing":
         return "missing key"
     if kind == "union_tag_invalid":
-        return f"type {err.get('ctx', {}).get('tag')!r} is not a target (allowed: gguf, vllm, safetensors)"
+        return f"type {err.get('ctx', {}).get('tag')!r} is not a target (allowed: {', '.join(TARGET_TYPES)})"
     msg = err["msg"].removeprefix("Value error, ")
     return f"{msg} (got {err['input']!r})" if kind in ("literal_error", "string_pattern_mismatch") else msg
 

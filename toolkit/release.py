@@ -130,6 +130,11 @@ class Release:
             fields.update(adapter_mode=mode, max_lora_rank=target.max_lora_rank)
         elif target.type == "safetensors":
             fields.update(dtype=target.dtype)
+        elif target.type == "awq":
+            calib = resolve_local(self.recipe_path, target.calib) if target.calib else None
+            fields.update(adapter_mode=mode, quant_format=target.format, group_size=target.group_size,
+                          symmetric=target.symmetric, ignore=target.ignore, calib=calib,
+                          calib_samples=target.calib_samples, calib_seqlen=target.calib_seqlen)
         return fields
 
     # -- verification --------------------------------------------------------------------------------

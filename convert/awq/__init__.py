@@ -6,3 +6,7 @@ the scale and clipping searches, ``blocks`` the streaming pass through the decod
 ``export`` the ``--target awq`` writer. The same pass yields llama.cpp importance matrices
 (``imatrix``).
 """
+
+# Choices the CLI and recipes list without importing torch (checked against the tables in quant / formats).
+FORMAT_NAMES = ("compressed-tensors", "awq-gemm")
+GROUP_SIZES = (32, 64, 128)

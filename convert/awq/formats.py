@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from . import FORMAT_NAMES
 from .quant import QuantizedWeight, QuantScheme
 
 PACK = 8  # 4-bit values per int32
@@ -147,6 +148,7 @@ FORMATS: dict[str, AWQFormat] = {f.name: f for f in (
               awq_pack, awq_unpack, awq_shapes, awq_config, "qweight", (torch.float16,)),
 )}
 DEFAULT_FORMAT = "compressed-tensors"
+assert tuple(FORMATS) == FORMAT_NAMES
 
 
 def format_for(name: str) -> AWQFormat:

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-
-GROUP_SIZES = (32, 64, 128)
+from . import GROUP_SIZES
 
 
 @dataclass(frozen=True)
