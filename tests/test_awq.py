@@ -315,3 +315,31 @@ def test_adapter_served_over_the_awq_base(trained_awq, tmp_path, capsys):
               f"top-1 {report.metrics['top1']:.3f}; mixed traffic equals the adapter alone: {not wrong}")
     assert not wrong, f"{len(wrong)} of {len(jobs)} served answers differ from vLLM alone: {wrong[:4]}"
     assert report.metrics["kl"] < 0.05 and agree >= 0.6 * len(prompts) * n_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
+    """Every scale AWQ folds (norm -> q/k/v and gate/up, v -> o, up -> down; qwen2's v bias too) keeps the fp32
+    block's output."""
+    import copy
+
+    from tuneport.convert.awq.core import BlockResult, fold_scales, hooked_modules
+    from tuneport.toolkit.tiny import make_base
+
+    # as many KV heads as query heads, so that v_proj feeds o_proj 1:1 and that fold is tested too
+    ckpt = Checkpoint(str(make_base(arch, tmp_path / arch, dims={"num_key_value_heads": 4})))
+    spec = awq_arch_for(arch)
+    ids = torch.randint(3, 400, (4, 32), generator=torch.Generator().manual_seed(1))
+    bp = BlockPass(plan_merge(ckpt, []), spec, ids, hooked_modules(spec))
+    x = bp.embeddings()
+    block = next(bp.blocks())
+    original = copy.deepcopy(block.module)
+    scheme = QuantScheme(group_size=32)
+    quantized = {block.prefix + n for g in spec.groups for n in g.linears}
+    result = BlockResult({})
+    fold_scales(block, spec, scheme, quantized, result)
+    assert len(result.groups) == 4 and any(g["alpha"] > 0 for g in result.groups)
+    kw = dict(attention_mask=None, position_ids=bp.position_ids, position_embeddings=bp.position_embeddings)
+    with torch.no_grad():
+        want, got = original(x, **kw), block.module(x, **kw)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()

@@ -26,12 +26,12 @@ def hooked_modules(arch: AWQArch) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFormat, quantized: set[str],
-                   out_dtype: torch.dtype, awq: bool = True) -> BlockResult:
-    """``quantized``: full module names to write in 4 bits. ``awq=False`` is plain round-to-nearest."""
+def fold_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set[str],
+                result: BlockResult) -> dict[str, torch.Tensor]:
+    """Search each group's scale and fold it into the block (the float function is unchanged); return each
+    linear's sampled input as the scaled block sees it (for the clip search)."""
     layer = block.module
     inputs: dict[str, torch.Tensor] = {}
-    result = BlockResult({})
     for group in arch.groups:
         names = [n for n in group.linears if block.prefix + n in quantized]
         stats = block.stats[group.linears[0]]
@@ -40,7 +40,7 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
             inputs[n] = x
         prev = layer.get_submodule(group.prev)
         mods = [layer.get_submodule(n) for n in group.linears]
-        if not awq or not names or prev.weight.shape[0] != mods[0].in_features:
+        if not names or prev.weight.shape[0] != mods[0].in_features:
             continue  # e.g. v_proj -> o_proj under grouped-query attention: shapes differ, no fold
         found = search_scale(x, stats.mean_abs, [layer.get_submodule(n).weight for n in names], scheme)
         s = found.scale
@@ -57,6 +57,16 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
             inputs[n] = xs
         result.groups.append({"group": group.linears, "alpha": found.alpha,
                               "loss_vs_rtn": found.loss / found.loss_unscaled if found.loss_unscaled else 1.0})
+    return inputs
+
+
+@torch.no_grad()
+def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFormat, quantized: set[str],
+                   out_dtype: torch.dtype, awq: bool = True) -> BlockResult:
+    """``quantized``: full module names to write in 4 bits. ``awq=False`` is plain round-to-nearest."""
+    layer = block.module
+    result = BlockResult({})
+    inputs = fold_scales(block, arch, scheme, quantized, result) if awq else {}
     for name in [n for g in arch.groups for n in g.linears]:
         full = block.prefix + name
         if full not in quantized:
