@@ -343,3 +343,17 @@ def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     with torch.no_grad():
         want, got = original(x, **kw), block.module(x, **kw)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+def test_verify_runs_4bit_in_transformers_where_vllm_cannot(tiny_awq, zoo, monkeypatch):
+    """Without vLLM's W4A16 kernel (no AVX-512 here, or no vLLM), verify decodes the 4-bit weights itself
+    and runs them in transformers fp32: both formats give the same numbers."""
+    import tuneport.toolkit.verify.dequant_runner as dq
+
+    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda: "no AVX-512 (simulated)")
+    reports = [tuneport.verify(artifact=d, reference=zoo.base("llama"), adapter=zoo.adapter("llama", "all_linear"),
+                               tokens=64, default_gates=False) for d in tiny_awq.values()]
+    for r in reports:
+        assert r.engine.startswith("transformers") and r.metrics["max_abs"] is not None
+        assert 0 < r.metrics["kl"] < 0.5 and r.metrics["top1"] > 0.5
+    assert reports[0].metrics["kl"] == pytest.approx(reports[1].metrics["kl"], rel=1e-6)

@@ -67,8 +67,15 @@ def _value(v) -> str:
 # Artifact kinds verify runs, by what the path is: (test, "module:class" of the runner under toolkit.verify).
 ARTIFACT_KINDS: tuple[tuple[Callable[[Path], bool], str], ...] = (
     (lambda p: p.suffix == ".gguf", "gguf_runner:GGUFRunner"),  # llama.cpp
+    (lambda p: _is_4bit_without_vllm(p), "dequant_runner:DequantizedRunner"),  # 4-bit where vLLM cannot run it
     (lambda p: p.is_dir(), "vllm_runner:VllmRunner"),  # a vLLM bundle or a merged HF model: vLLM
 )
+
+
+def _is_4bit_without_vllm(path: Path) -> bool:
+    from .dequant_runner import is_4bit_dir, vllm_cannot_run_4bit
+
+    return path.is_dir() and is_4bit_dir(path) and vllm_cannot_run_4bit()
 
 
 def _runner_for(opts: VerifyOptions):

@@ -1,0 +1,108 @@
+"""A 4-bit HF directory (compressed-tensors pack-quantized or AutoAWQ GEMM, ours or another tool's) run in
+transformers with tuneport's own dequantization, for machines where vLLM cannot run it (no vLLM, or a CPU
+without the AVX-512 its W4A16 kernel needs). The weights are exactly what the 4-bit checkpoint decodes to
+(equal to compressed-tensors' own decompression); the compute is fp32, so logits are exact."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tuneport.convert.awq.formats import FORMATS, quant_info, scheme_of
+from tuneport.convert.cpu import w4a16_cpu_problem
+from tuneport.convert.errors import UserError
+
+from .vllm_runner import VllmRunner, _bundle_model
+
+
+def is_4bit_dir(path: Path) -> bool:
+    try:
+        cfg = json.loads((_bundle_model(path) / "config.json").read_text())
+    except (UserError, OSError, ValueError):
+        return False
+    return quant_info(cfg.get("quantization_config") or {}) is not None
+
+
+def vllm_cannot_run_4bit() -> bool:
+    return importlib.util.find_spec("vllm") is None or (w4a16_cpu_problem() is not None
+                                                         and not torch.cuda.is_available())
+
+
+def dequantized_state(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config without quantization_config, fp32 state dict with every 4-bit linear dequantized)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    fmt_name, scheme = scheme_of(cfg.pop("quantization_config"))
+    fmt = FORMATS[fmt_name]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                tensors[k] = st.get_tensor(k)
+    from tuneport.convert.awq.quant import dequantize
+
+    marker = f".{fmt.marker}"
+    state: dict[str, torch.Tensor] = {}
+    for module in [k.removesuffix(marker) for k in tensors if k.endswith(marker)]:
+        state[f"{module}.weight"] = dequantize(fmt.unpack(tensors, module, scheme))
+    packed = {n for m in (k.removesuffix(".weight") for k in state) for n in tensors if n.startswith(m + ".")}
+    for k, t in tensors.items():
+        if k not in packed:
+            state[k] = t.float() if t.is_floating_point() else t
+    return cfg, state
+
+
+class DequantizedRunner(VllmRunner):
+    engine = "transformers (4-bit weights dequantized by tuneport)"
+    exact_logits = True
+
+    def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:  # noqa: D107 (no vLLM here)
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir = _bundle_model(Path(model))
+        self.lora = Path(lora) if lora else None
+        if self.lora is not None and not (self.lora / "adapter_config.json").exists():
+            raise UserError(f"--lora {self.lora} is not a PEFT adapter directory",
+                            "pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
+        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        cfg, state = dequantized_state(self.model_dir)
+        config = AutoConfig.for_model(**cfg)
+        model_ = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model_.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]:
+            raise UserError(f"{self.model_dir} does not match its config ({(unexpected or missing)[:3]})",
+                            "re-export the 4-bit model")
+        if config.tie_word_embeddings:
+            model_.tie_weights()
+        model_.eval()
+        if self.lora is not None:
+            from peft import PeftModel
+
+            model_ = PeftModel.from_pretrained(model_, str(self.lora)).eval()
+        self.model = model_
+
+    def prepare(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int) -> None:
+        """Nothing to run ahead: logits come per call (the vLLM runner's one batched run is not needed)."""
+
+    def _context(self, with_lora: bool):
+        import contextlib
+
+        return self.model.disable_adapter() if (self.lora is not None and not with_lora) else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def logits(self, ids: list[int], with_lora: bool = True) -> torch.Tensor:
+        with self._context(with_lora):
+            return self.model(torch.tensor([ids])).logits[0].float()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    def close(self) -> None:
+        self.model = None
