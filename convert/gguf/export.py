@@ -2,30 +2,61 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 import torch
 
-from ..arch import arch_for
+from ..arch import ArchSpec, arch_for
+from ..errors import UserError
 from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
 from ..io import atomic_dir
 from ..manifest import input_entries, write_manifest
-from ..merge import merge_one, plan_merge
+from ..merge import MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult, model_name
+from .imatrix import IMatrix, calibration_arch, compute_imatrix, write_imatrix
 from .lora import build_gguf_lora, write_gguf_lora
 from .model import GGUFModelPlan, plan_gguf_model, write_gguf_models
 from .modelfile import modelfile
 from .quant_types import QUANT_TYPES, QuantType, parse_quant_list
-from .quantize import quantize_with_llamacpp
+from .quantize import IMATRIX_HINT, quantize_with_llamacpp
 from .vocab import read_vocab
 
+log = logging.getLogger(__name__)
 LOSSLESS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+IMATRIX_FILE = "imatrix.gguf"
 
 
 def lossless_type(dtype: torch.dtype) -> QuantType:
     return QUANT_TYPES[LOSSLESS.get(dtype, "f32")]
+
+
+def wants_imatrix(opts: ExportOptions, quants: list[QuantType], arch: ArchSpec) -> bool:
+    """An importance matrix is computed iff --calib, --calib-samples or --calib-seqlen is given; refuse types
+    llama.cpp cannot write without one, and architectures the calibration pass does not run."""
+    want = bool(opts.calib or opts.calib_samples or opts.calib_seqlen)
+    needs = [q.name for q in quants if q.needs_imatrix]
+    if needs and not want:
+        raise UserError(f"--quant {', '.join(needs)} need{'s' if len(needs) == 1 else ''} an importance matrix",
+                        IMATRIX_HINT)
+    if want:
+        calibration_arch(arch.model_type)
+    return want
+
+
+def build_imatrix(opts: ExportOptions, plan: MergePlan, arch: ArchSpec, tok_dir: Path) -> tuple[IMatrix, dict]:
+    """The calibration text through the (merged) model, one block at a time: (matrix, calibration description)."""
+    from transformers import AutoTokenizer
+
+    from ..awq.calib import DEFAULT_SEQLEN, load_calibration
+
+    max_len = plan.config.get("max_position_embeddings")
+    seqlen = opts.calib_seqlen or min(DEFAULT_SEQLEN, max_len or DEFAULT_SEQLEN)  # the default fits the context
+    calib = load_calibration(AutoTokenizer.from_pretrained(tok_dir), opts.calib, opts.calib_samples, seqlen, max_len)
+    log.info("importance matrix: %d samples of %d tokens from %s", *calib.ids.shape, calib.source)
+    return compute_imatrix(plan, arch, calib.ids, dataset=calib.source), calib.describe()
 
 
 def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -35,6 +66,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
     quants = parse_quant_list(opts.quant)
     ckpt, loaded = open_inputs(opts, "gguf")
     arch = arch_for(ckpt.model_type)
+    with_imatrix = wants_imatrix(opts, quants, arch)
     name = opts.name or model_name(ckpt.spec)
     if mode == "merge" or not loaded:
         plan = plan_merge(ckpt, loaded if mode == "merge" else [])
@@ -58,6 +90,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         copy_side_files(plan, tok_dir)
         n_vocab = plan.specs[[s.name for s in plan.specs].index(f"{arch.embed}.weight")].shape[0]
         vocab = read_vocab(tok_dir, n_vocab, opts.bpe_pre)
+        imatrix, calibration = build_imatrix(opts, plan, arch, tok_dir) if with_imatrix else (None, None)
         shapes = [(s.name, s.shape) for s in plan.specs]
         files: dict[str, Path] = {}
         targets: list[tuple[Path, GGUFModelPlan, int]] = []
@@ -68,7 +101,9 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name=name, progress=progress)
         for q in via_llamacpp:
             files[q.name] = tmp / f"{name}-{q.label}.gguf"
-            quantize_with_llamacpp(files[lossless.name], files[q.name], q)
+            quantize_with_llamacpp(files[lossless.name], files[q.name], q, imatrix=imatrix)
+        if imatrix is not None:
+            write_imatrix(imatrix, tmp / IMATRIX_FILE, arch.gguf_arch)
         warnings: list[str] = []
         lora_files = {}
         if loras:
@@ -89,8 +124,13 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         details = {"models": {q.name: files[q.name].name for q in quants},
                    "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
                    "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded}}
+        if imatrix is not None:
+            details["calibration"] = calibration
+            details["imatrix"] = {"file": IMATRIX_FILE, **imatrix.describe(),
+                                  "used_for": [q.name for q in via_llamacpp]}
         manifest = write_manifest(tmp, "gguf", input_entries(ckpt, loaded), known_hashes=hashes, options={
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
-            "notes": plan.notes}, extra={**details, "warnings": warnings})
+            "calib": str(opts.calib) if opts.calib else None, "calib_samples": opts.calib_samples,
+            "calib_seqlen": opts.calib_seqlen, "notes": plan.notes}, extra={**details, "warnings": warnings})
     return ExportResult(out, "gguf", manifest, notes=plan.notes, warnings=warnings, details=details)

@@ -14,6 +14,7 @@ class QuantType:
     ftype: int  # llama.cpp LLAMA_FTYPE_* / general.file_type
     direct: str | None = None  # GGMLQuantizationType name when tuneport writes it from Python
     k_quant: bool = False  # needs rows divisible by 256 (else llama.cpp falls back to other types)
+    needs_imatrix: bool = False  # llama.cpp refuses to write it without an importance matrix (--calib)
 
 
 QUANT_TYPES: dict[str, QuantType] = {q.name: q for q in [
@@ -34,6 +35,22 @@ QUANT_TYPES: dict[str, QuantType] = {q.name: q for q in [
     QuantType("q5_k_s", "Q5_K_S", 16, k_quant=True),
     QuantType("q5_k_m", "Q5_K_M", 17, k_quant=True),
     QuantType("q6_k", "Q6_K", 18, k_quant=True),
+    QuantType("q2_k_s", "Q2_K_S", 21, k_quant=True, needs_imatrix=True),
+    # i-quants (ftypes: llama_cpp.LLAMA_FTYPE_MOSTLY_*). llama.cpp requires an importance matrix for every
+    # tensor it writes as IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS/IQ2_S/IQ3_XXS (src/llama-quant.cpp, tensor_requires_imatrix):
+    # iq3_xs writes q/k (and middle ffn_gate/up) as IQ3_XXS; iq3_s, iq3_m, iq4_nl and iq4_xs need none.
+    QuantType("iq1_s", "IQ1_S", 24, k_quant=True, needs_imatrix=True),
+    QuantType("iq1_m", "IQ1_M", 31, k_quant=True, needs_imatrix=True),
+    QuantType("iq2_xxs", "IQ2_XXS", 19, k_quant=True, needs_imatrix=True),
+    QuantType("iq2_xs", "IQ2_XS", 20, k_quant=True, needs_imatrix=True),
+    QuantType("iq2_s", "IQ2_S", 28, k_quant=True, needs_imatrix=True),
+    QuantType("iq2_m", "IQ2_M", 29, k_quant=True, needs_imatrix=True),
+    QuantType("iq3_xxs", "IQ3_XXS", 23, k_quant=True, needs_imatrix=True),
+    QuantType("iq3_xs", "IQ3_XS", 22, k_quant=True, needs_imatrix=True),
+    QuantType("iq3_s", "IQ3_S", 26, k_quant=True),
+    QuantType("iq3_m", "IQ3_M", 27, k_quant=True),
+    QuantType("iq4_nl", "IQ4_NL", 25),
+    QuantType("iq4_xs", "IQ4_XS", 30, k_quant=True),
 ]}
 DEFAULT_QUANT = "q4_k_m"
 # tuneport's --dtype -> the lossless GGUF type an HF base becomes when llama.cpp serves it (auto: F16, as

@@ -1,0 +1,195 @@
+"""llama.cpp importance matrices from tuneport's streaming calibration pass.
+
+An importance matrix holds, for every weight that llama.cpp quantizes, the sum of x² over the calibration
+tokens for each input column of that weight, and the token count; llama.cpp's quantizer weighs each
+column's rounding error by the mean (sum / count). tuneport computes it with the AWQ calibration pass
+(``convert.awq.blocks.BlockPass``: transformers' own decoder layers, one block in memory at a time), names
+it with the GGUF exporter's own tensor names, and writes llama.cpp's GGUF imatrix file (as
+``llama-imatrix`` does: ``general.type = imatrix``, ``imatrix.datasets``, ``imatrix.chunk_count``,
+``imatrix.chunk_size``, and per tensor ``<name>.in_sum2`` F32 [n_cols] and ``<name>.counts`` F32 [1]), which
+``llama-quantize --imatrix`` reads. The q/k row permutation of llama-family GGUFs reorders rows only, so
+per-input-column values need no change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..arch import ArchSpec
+from ..errors import UserError
+from ..merge import MergePlan
+
+log = logging.getLogger(__name__)
+
+KV_DATASETS = "imatrix.datasets"
+KV_CHUNK_COUNT = "imatrix.chunk_count"
+KV_CHUNK_SIZE = "imatrix.chunk_size"
+SUM_SUFFIX = ".in_sum2"
+COUNT_SUFFIX = ".counts"
+OUTPUT = "output.weight"
+
+
+@dataclass
+class IMatrix:
+    """Per GGUF tensor name: Σx² per input column (float64) and the number of tokens summed."""
+
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    chunk_size: int = 0
+
+    def add(self, name: str, sum_sq: np.ndarray, count: int) -> None:
+        self.sums[name] = np.asarray(sum_sq, dtype=np.float64).copy()
+        self.counts[name] = int(count)
+
+    def mean(self, name: str) -> np.ndarray:
+        """What llama.cpp's quantizer weighs columns by: Σx² / count, float32."""
+        return (self.sums[name] / max(1, self.counts[name])).astype(np.float32)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.sums)
+
+    def describe(self) -> dict:
+        return {"tensors": len(self.sums), "chunks": self.chunk_count, "chunk_size": self.chunk_size,
+                "datasets": list(self.datasets), "output_weight": OUTPUT in self.sums}
+
+
+def gguf_names(arch: ArchSpec, plan: MergePlan) -> dict[str, str]:
+    """HF tensor name -> GGUF tensor name, from the exporter's own plan."""
+    from .model import plan_gguf_model
+
+    shapes = [(s.name, s.shape) for s in plan.specs]
+    return {t.hf_name: t.gguf_name for t in plan_gguf_model(arch, plan.config, shapes, "F32").tensors if t.hf_name}
+
+
+def calibration_arch(model_type: str):
+    """The calibration pass's table entry (transformers layer classes, linears sharing an input)."""
+    from ..awq.archs import AWQ_ARCHS, NOT_SUPPORTED
+
+    if model_type in AWQ_ARCHS:
+        return AWQ_ARCHS[model_type]
+    why = NOT_SUPPORTED.get(model_type, "no entry in the calibration table")
+    raise UserError(f"--calib (importance matrix) is not available for architecture {model_type!r}: "
+                    f"tuneport's calibration pass runs {', '.join(sorted(AWQ_ARCHS))} ({model_type}: {why})",
+                    "drop --calib/--calib-samples/--calib-seqlen and use a --quant type that needs no "
+                    "importance matrix (k-quants, iq3_s, iq4_xs, ...)")
+
+
+def compute_imatrix(plan: MergePlan, arch: ArchSpec, ids, *, dataset: str = "", process_output: bool = True,
+                    progress=None) -> IMatrix:
+    """Run the calibration ids ``[n, seqlen]`` through ``plan``'s (merged) model block by block and return the
+    importance matrix of every block linear, plus ``output.weight`` (from the final norm's output) when
+    ``process_output`` and the GGUF has its own output tensor (with tied embeddings llama.cpp reuses
+    ``token_embd.weight``, for which ``llama-imatrix`` records nothing either)."""
+    from ..awq.blocks import BlockPass
+    from ..awq.core import hooked_modules
+
+    carch = calibration_arch(arch.model_type)
+    names = gguf_names(arch, plan)
+    im = IMatrix(datasets=[dataset] if dataset else [], chunk_count=int(ids.shape[0]),
+                 chunk_size=int(ids.shape[1]))
+    bp = BlockPass(plan, carch, ids, hooked_modules(carch), search_tokens=0)
+    for block in bp.blocks(progress):
+        for group in carch.groups:
+            stats = block.stats[group.linears[0]]
+            for linear in group.linears:
+                hf = f"{block.prefix}{linear}.weight"
+                if hf not in names:
+                    raise RuntimeError(f"{hf} has no GGUF tensor")
+                im.add(names[hf], stats.sum_sq.numpy(), stats.count)
+        log.debug("imatrix: block %d done", block.index)
+    outputs = [hf for hf, g in names.items() if g == OUTPUT]
+    if process_output and outputs:
+        stats = bp.final_norm_stats()
+        im.add(OUTPUT, stats.sum_sq.numpy(), stats.count)
+    return im
+
+
+def write_imatrix(im: IMatrix, path: Path, arch: str = "llama") -> None:
+    """llama.cpp's GGUF imatrix file (what ``llama-imatrix -o FILE.gguf`` writes), tensors in name order."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type("imatrix")
+    writer.add_array(KV_DATASETS, list(im.datasets))
+    writer.add_uint32(KV_CHUNK_COUNT, im.chunk_count)
+    writer.add_uint32(KV_CHUNK_SIZE, im.chunk_size)
+    for name in im.names:
+        sums = im.sums[name].astype(np.float32).reshape(1, -1)  # ne = [n_cols, 1], as llama-imatrix writes
+        writer.add_tensor(name + SUM_SUFFIX, sums)
+        writer.add_tensor(name + COUNT_SUFFIX, np.array([[im.counts[name]]], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return f.contents() if f is not None else None
+
+
+def read_imatrix(path: Path) -> IMatrix:
+    """A GGUF imatrix file (tuneport's or ``llama-imatrix``'s): sums and counts per tensor."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise UserError(f"{path} is not a GGUF imatrix file ({e})", "pass a file written by llama-imatrix") from None
+    im = IMatrix(datasets=list(_field(reader, KV_DATASETS) or []), chunk_count=int(_field(reader, KV_CHUNK_COUNT) or 0),
+                 chunk_size=int(_field(reader, KV_CHUNK_SIZE) or 0))
+    sums, counts = {}, {}
+    for t in reader.tensors:
+        if t.name.endswith(SUM_SUFFIX):
+            sums[t.name.removesuffix(SUM_SUFFIX)] = np.asarray(t.data, dtype=np.float64).reshape(-1)
+        elif t.name.endswith(COUNT_SUFFIX):
+            counts[t.name.removesuffix(COUNT_SUFFIX)] = np.asarray(t.data).reshape(-1)
+    if set(sums) != set(counts):
+        raise UserError(f"{path}: mismatched sums and counts for {sorted(set(sums) ^ set(counts))[:3]}",
+                        "pass a file written by llama-imatrix")
+    for name, c in counts.items():
+        if c.size != 1:
+            raise UserError(f"{path}: {name} has {c.size} counts (a mixture-of-experts matrix)",
+                            "tuneport reads dense-model importance matrices only")
+        im.add(name, sums[name], int(round(float(c[0]))))
+    return im
+
+
+@dataclass
+class LlamaCppIMatrix:
+    """``llama_model_imatrix_data[]`` for ``llama_model_quantize_params.imatrix``, ``{NULL, NULL, 0}``
+    terminated; holds the float arrays the pointers refer to, so keep it alive during the call."""
+
+    array: ctypes.Array
+    buffers: list[np.ndarray]
+    names: list[bytes]
+
+    def pointer(self):
+        import llama_cpp
+
+        return ctypes.cast(self.array, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+
+
+def llamacpp_imatrix(im: IMatrix) -> LlamaCppIMatrix:
+    import llama_cpp
+
+    names = im.names
+    array = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()  # zero-filled: the last is the terminator
+    buffers, keys = [], []
+    for i, name in enumerate(names):
+        data = np.ascontiguousarray(im.mean(name), dtype=np.float32)
+        key = name.encode()
+        buffers.append(data)
+        keys.append(key)
+        array[i].name = key
+        array[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        array[i].size = data.size
+    return LlamaCppIMatrix(array, buffers, keys)
