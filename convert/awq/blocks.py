@@ -10,6 +10,7 @@ the calibration activations are ever in memory.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 from ..merge import MergePlan, merge_one
 from .archs import AWQArch
 
-BATCH = 8  # calibration samples per forward
+FORWARD_TOKENS = 1024  # tokens per block forward (bounds the attention and MLP activations)
 SEARCH_TOKENS = 2048  # token rows kept per group input for the scale and clip searches
 
 
@@ -81,8 +82,10 @@ class BlockPass:
         self.layer_cls, rotary_cls, self.norm_cls = _classes(arch)
         self.n_layers = int(self.config.num_hidden_layers)
         self.specs = {s.name: s for s in plan.specs}
+        map_large_allocations()
         self.layer_prefix = plan.base.arch.layer_prefix if plan.base.arch else "model.layers"
         n, seq = ids.shape
+        self.batch = max(1, FORWARD_TOKENS // seq)
         self.per_sample = max(1, -(-search_tokens // n))
         gen = torch.Generator().manual_seed(seed)
         self.rows = [torch.randperm(seq, generator=gen)[: self.per_sample].sort().values for _ in range(n)]
@@ -111,10 +114,11 @@ class BlockPass:
         """Yield each block after its forward; ``self.hidden`` then holds its outputs (the next inputs)."""
         self.hidden = self.embeddings()
         for i in range(self.n_layers):
-            layer = self.load_block(i)
-            stats = self._forward(layer)
-            yield Block(i, f"{self.layer_prefix}.{i}.", layer, stats)
+            block = Block(i, f"{self.layer_prefix}.{i}.", layer := self.load_block(i), self._forward(layer))
             del layer
+            yield block
+            del block  # the caller drops its reference too: one block in memory at a time
+            release_freed_memory()
             if progress:
                 progress(i + 1, self.n_layers)
 
@@ -125,8 +129,8 @@ class BlockPass:
         stats = InputStats(torch.zeros(self.config.hidden_size, dtype=torch.float64),
                            torch.zeros(self.config.hidden_size, dtype=torch.float64))
         with torch.no_grad():
-            for b in range(0, len(self.hidden), BATCH):
-                x = norm(self.hidden[b:b + BATCH]).reshape(-1, self.config.hidden_size)
+            for b in range(0, len(self.hidden), self.batch):
+                x = norm(self.hidden[b:b + self.batch]).reshape(-1, self.config.hidden_size)
                 _accumulate(stats, x)
         return stats
 
@@ -152,15 +156,38 @@ class BlockPass:
             handles.append(layer.get_submodule(name).register_forward_pre_hook(hook(name)))
         try:
             with torch.no_grad():
-                for b in range(0, len(self.hidden), BATCH):
-                    current[:] = range(b, min(b + BATCH, len(self.hidden)))
-                    out = layer(self.hidden[b:b + BATCH], attention_mask=None, position_ids=self.position_ids,
+                for b in range(0, len(self.hidden), self.batch):
+                    current[:] = range(b, min(b + self.batch, len(self.hidden)))
+                    out = layer(self.hidden[b:b + self.batch], attention_mask=None, position_ids=self.position_ids,
                                 position_embeddings=self.position_embeddings)
-                    self.hidden[b:b + BATCH] = out[0] if isinstance(out, tuple) else out
+                    self.hidden[b:b + self.batch] = out[0] if isinstance(out, tuple) else out
+                    del out
         finally:
             for h in handles:
                 h.remove()
         return stats
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def map_large_allocations(threshold: int = 4 << 20) -> None:
+    """Allocations above ``threshold`` get their own mappings, returned to the OS when freed. glibc's default
+    threshold grows up to 32 MiB after the first large frees, so a block's activations (tens of MiB each)
+    would stay resident after each forward and the peak would grow with fragmentation, not with real use."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):
+        pass
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS between blocks (glibc keeps them otherwise, and the resident size
+    creeps up block after block)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _accumulate(st: InputStats, x: torch.Tensor) -> None:

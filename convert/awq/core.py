@@ -9,14 +9,14 @@ import torch
 from .archs import AWQArch
 from .blocks import Block
 from .formats import AWQFormat
-from .quant import QuantizedWeight, QuantScheme, quantize
+from .quant import QuantScheme, quantize
 from .search import apply_clip, search_clip, search_scale
 
 
 @dataclass
 class BlockResult:
     tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor to write
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> its 4-bit weight
+    quantized: set[str] = field(default_factory=set)  # modules written in 4 bits
     groups: list[dict] = field(default_factory=list)  # per scale group: alpha, loss vs round-to-nearest
 
 
@@ -74,9 +74,9 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
         w = layer.get_submodule(name).weight
         if awq and name not in arch.no_clip:
             w = apply_clip(w, search_clip(inputs[name], w, scheme), scheme.group_size)
-        qw = quantize(w, scheme)
-        result.quantized[full] = qw
-        result.tensors.update(fmt.pack(qw, full))
+        result.quantized.add(full)
+        result.tensors.update(fmt.pack(quantize(w, scheme), full))
+        del w
     for key, t in layer.state_dict().items():
         full = block.prefix + key
         if key.endswith(".weight") and full[: -len(".weight")] in quantized:

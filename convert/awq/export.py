@@ -147,6 +147,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
                            and n not in res.tensors and n.removesuffix(".weight") not in res.quantized]
                 if missing:
                     raise RuntimeError(f"block {block.index} did not produce {missing[:3]}")
+                del block, res  # before the next block is loaded
             writer.close()
         finally:
             writer.stop()

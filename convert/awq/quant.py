@@ -64,35 +64,50 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(out, inp // group_size, group_size)
 
 
+def _qparams(g: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-group scale (rounded to the scale dtype, as stored) and zero point (float, integer-valued)."""
+    lo, hi = torch.aminmax(g, dim=-1)
+    if scheme.symmetric:
+        amax = torch.maximum(-lo, hi)
+        return (amax / scheme.qmax).clamp(min=1e-8).to(scheme.scale_dtype), None
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp(min=1e-8).to(scheme.scale_dtype)
+    zero = torch.clamp(scheme.qmin - torch.round(lo / scale.float()), scheme.qmin, scheme.qmax)
+    return scale, zero
+
+
+def _levels(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme) -> torch.Tensor:
+    """The integer levels (as float) of grouped weights ``g``: round(g / scale) + zero, clamped; a new tensor."""
+    q = g / scale.float().unsqueeze(-1)
+    q.round_()
+    if zero is not None:
+        q.add_(zero.unsqueeze(-1))
+    return q.clamp_(scheme.qmin, scheme.qmax)
+
+
 def quantize(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     """Round-to-nearest group quantization of ``w`` (already scaled and clipped by AWQ)."""
     g = _grouped(w.float(), scheme.group_size)
-    if scheme.symmetric:
-        amax = g.abs().amax(dim=-1)
-        scale = (amax / scheme.qmax).clamp(min=1e-8).to(scheme.scale_dtype)
-        s = scale.float().unsqueeze(-1)
-        q = torch.clamp(torch.round(g / s), scheme.qmin, scheme.qmax)
-        zero = None
-    else:
-        lo = g.amin(dim=-1).clamp(max=0)
-        hi = g.amax(dim=-1).clamp(min=0)
-        levels = scheme.qmax - scheme.qmin
-        scale = ((hi - lo) / levels).clamp(min=1e-8).to(scheme.scale_dtype)
-        s = scale.float()
-        zero_f = torch.clamp(scheme.qmin - torch.round(lo / s), scheme.qmin, scheme.qmax)
-        q = torch.clamp(torch.round(g / s.unsqueeze(-1)) + zero_f.unsqueeze(-1), scheme.qmin, scheme.qmax)
-        zero = zero_f.to(torch.int8)
-    return QuantizedWeight(q.reshape(w.shape).to(torch.int8), scale, zero, scheme)
+    scale, zero = _qparams(g, scheme)
+    q = _levels(g, scale, zero, scheme)
+    return QuantizedWeight(q.reshape(w.shape).to(torch.int8), scale,
+                           None if zero is None else zero.to(torch.int8), scheme)
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(q - zero) · scale`` per group, computed in fp32 and cast to ``dtype``."""
     g = _grouped(qw.q.float(), qw.scheme.group_size)
     if qw.zero is not None:
-        g = g - qw.zero.float().unsqueeze(-1)
-    return (g * qw.scale.float().unsqueeze(-1)).reshape(qw.q.shape).to(dtype)
+        g.sub_(qw.zero.float().unsqueeze(-1))
+    return g.mul_(qw.scale.float().unsqueeze(-1)).reshape(qw.q.shape).to(dtype)
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """The fp32 weights the 4-bit checkpoint of ``w`` decodes to."""
-    return dequantize(quantize(w, scheme))
+    """The fp32 weights the 4-bit checkpoint of ``w`` decodes to (``dequantize(quantize(w))``, with one
+    full-size temporary instead of several)."""
+    g = _grouped(w.float(), scheme.group_size)
+    scale, zero = _qparams(g, scheme)
+    q = _levels(g, scale, zero, scheme)
+    if zero is not None:
+        q.sub_(zero.unsqueeze(-1))
+    return q.mul_(scale.float().unsqueeze(-1)).reshape(w.shape)
