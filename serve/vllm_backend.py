@@ -18,6 +18,7 @@ import httpx
 
 from tuneport.convert.adapter import load_adapter, resolve_adapter_path
 from tuneport.convert.arch import arch_for
+from tuneport.convert.awq.adapters import mark_rescaled, read_scales, rescale_adapter, rescaled_for, scales_digest
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export_vllm import VLLM_DTYPES, write_vllm_adapter
@@ -71,6 +72,8 @@ class VllmPlan:
         self.name = model_name(opts.base)
         if write:
             check_4bit_runs_here(self.ckpt, opts.dtype)
+        self.awq_scales = read_scales(self.ckpt.path)  # adapters over an AWQ base are rewritten with these
+        self.awq_digest = scales_digest(self.ckpt.path) if self.awq_scales else None
         self.bugs = bugs_that_apply()
         self.guard = opts.vllm_base_guard == "on" or (opts.vllm_base_guard == "auto" and bool(self.bugs))
         # start-up adapters: where the user has them, and the directory vLLM loads (a fixed copy when needed)
@@ -128,10 +131,29 @@ class VllmPlan:
         pf = preflight(adapter, self.arch, self.ckpt, self.max_lora_rank)
         if not pf.ok:
             raise PoolError(f"adapter {name} cannot be served by vLLM: " + "; ".join(pf.problems), "", status=422)
-        if not pf.fixes:
+        awq = self._awq_rewrite(path)
+        if not pf.fixes and awq is None:
             return Path(path).resolve()
-        fixed = cache_dir() / "vllm-adapters" / content_digest(Path(path))
-        return write_once(fixed, lambda tmp: write_vllm_adapter(adapter, pf, tmp)) if self.write else fixed
+        fixed = cache_dir() / "vllm-adapters" / (content_digest(Path(path)) + (f"-awq{awq}" if awq else ""))
+
+        def write(tmp: Path) -> None:
+            if awq is None:
+                write_vllm_adapter(adapter, pf, tmp)
+                return
+            try:
+                write_vllm_adapter(rescale_adapter(adapter, self.awq_scales), pf, tmp)
+            except UserError as e:
+                raise PoolError(e.message, e.hint, status=422) from e
+            mark_rescaled(tmp, awq)
+
+        return write_once(fixed, write) if self.write else fixed
+
+    def _awq_rewrite(self, path: Path) -> str | None:
+        """The AWQ base's scales digest when ``path`` must be rewritten for it (AWQ folded scales into the
+        base, see convert.awq.adapters); None for other bases and adapters already rewritten for it."""
+        if self.awq_digest is None or rescaled_for(Path(path)) == self.awq_digest:
+            return None
+        return self.awq_digest
 
 
 class VllmBackend(Backend):

@@ -38,6 +38,11 @@ LLAMA_GROUPS = (
 )
 
 
+# vLLM runs these linears as one fused module (names inside a block): quantized all together or not at all.
+FUSED_SETS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
 def _arch(name: str, prefix: str) -> AWQArch:
     return AWQArch(f"transformers.models.{name}.modeling_{name}", f"{prefix}DecoderLayer",
                    f"{prefix}RotaryEmbedding", f"{prefix}RMSNorm", groups=LLAMA_GROUPS)

@@ -18,6 +18,8 @@ class BlockResult:
     tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor to write
     quantized: set[str] = field(default_factory=set)  # modules written in 4 bits
     groups: list[dict] = field(default_factory=list)  # per scale group: alpha, loss vs round-to-nearest
+    # module -> {"input_scale": s, "output_scale": s}: what its input / output is divided by inside the model
+    scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def hooked_modules(arch: AWQArch) -> tuple[str, ...]:
@@ -50,8 +52,10 @@ def fold_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set
             prev.weight.div_(s.view(-1, 1))
             if getattr(prev, "bias", None) is not None:
                 prev.bias.div_(s)
-        for m in mods:
+            result.scales.setdefault(block.prefix + group.prev, {})["output_scale"] = s.clone()
+        for n, m in zip(group.linears, mods, strict=True):
             m.weight.mul_(s.view(1, -1))
+            result.scales.setdefault(block.prefix + n, {})["input_scale"] = s.clone()
         xs = x / s
         for n in group.linears:
             inputs[n] = xs

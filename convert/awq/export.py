@@ -22,8 +22,9 @@ from ..merge import CONFIG_DTYPE_NAMES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult, model_name
 from ..tensors import TensorMeta
 from ..vllm_rules import round_lora_rank
-from .archs import awq_arch_for
-from .blocks import BlockPass
+from .adapters import SCALES_FILE, mark_rescaled, rescale_adapter, scales_digest, write_scales
+from .archs import FUSED_SETS, awq_arch_for
+from .blocks import NOT_WEIGHTS, BlockPass
 from .calib import load_calibration
 from .core import hooked_modules, quantize_block
 from .formats import DEFAULT_FORMAT, PACK, AWQFormat, format_for
@@ -65,13 +66,33 @@ def quantized_modules(plan: MergePlan, arch_groups, layer_prefix: str, n_layers:
                 unfit.append(name)
             else:
                 chosen.add(name)
+    kept = set(ignored) | set(unfit)
+    for i in range(n_layers):  # vLLM fuses these: a set is quantized as a whole or not at all
+        for fused, members in FUSED_SETS.items():
+            names = {f"{layer_prefix}.{i}.{m}" for m in members}
+            if names & kept and names & chosen:
+                raise UserError(f"--ignore keeps {', '.join(sorted(names & kept))} 16-bit but not the rest of "
+                                f"{', '.join(members)}, which vLLM fuses into one {fused}",
+                                "ignore all of them or none (e.g. --ignore 'self_attn\\.(q|k|v)_proj')")
     return chosen, ignored, unfit
+
+
+def fused_names(kept: list[str]) -> list[str]:
+    """vLLM's names for fused sets whose members are all kept 16-bit ("model.layers.0.self_attn.qkv_proj"):
+    older vLLM matches AutoAWQ's modules_to_not_convert against the fused module's name."""
+    out = []
+    for fused, members in FUSED_SETS.items():
+        blocks = sorted({k[: -len(members[0])] for k in kept if k.endswith("." + members[0])})
+        out += [b + fused for b in blocks if all(b + m in kept for m in members)]
+    return out
 
 
 def output_specs(plan: MergePlan, quantized: set[str], fmt: AWQFormat, scheme: QuantScheme,
                  dtype: torch.dtype) -> list[TensorMeta]:
     specs: list[TensorMeta] = []
     for s in plan.specs:
+        if s.name.endswith(NOT_WEIGHTS):
+            continue
         module = s.name.removesuffix(".weight")
         if s.name.endswith(".weight") and module in quantized:
             out_f, in_f = s.shape
@@ -86,7 +107,11 @@ def load_tokenizer(plan: MergePlan):
 
     with tempfile.TemporaryDirectory(prefix="tuneport-tok-") as d:
         copy_side_files(plan, Path(d))
-        return AutoTokenizer.from_pretrained(d)
+        try:
+            return AutoTokenizer.from_pretrained(d)
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(f"{plan.base.path} has no tokenizer the calibration can use ({str(e)[:120]})",
+                            "add the base's tokenizer files (tokenizer.json / tokenizer.model) to it") from None
 
 
 def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -123,6 +148,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     total = sum(s.nbytes for s in specs)
     done = 0
     groups: list[dict] = []
+    scales: dict[str, dict[str, torch.Tensor]] = {}
     with atomic_dir(opts.out, force=opts.force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes=opts.max_shard_bytes)
         try:
@@ -141,9 +167,10 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
             for block in bp.blocks():
                 res = quantize_block(block, arch, scheme, fmt, quantized, dtype)
                 groups += [{"layer": block.index, **g} for g in res.groups]
+                scales.update(res.scales)
                 for name, t in res.tensors.items():
                     put(name, t)
-                missing = [n for n in plan_specs if n.startswith(block.prefix)
+                missing = [n for n in plan_specs if n.startswith(block.prefix) and not n.endswith(NOT_WEIGHTS)
                            and n not in res.tensors and n.removesuffix(".weight") not in res.quantized]
                 if missing:
                     raise RuntimeError(f"block {block.index} did not produce {missing[:3]}")
@@ -152,7 +179,10 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         finally:
             writer.stop()
         hashes = writer.sha256()
-        ignore_names = ["lm_head", *ignored, *unfit] if fmt.name == "compressed-tensors" else [*ignored, *unfit]
+        if scales:  # what adapters trained on the 16-bit base need to be rewritten with (convert.awq.adapters)
+            write_scales(tmp / SCALES_FILE, scales)
+        kept = [*ignored, *unfit]
+        ignore_names = ["lm_head", *kept] if fmt.name == "compressed-tensors" else [*kept, *fused_names(kept)]
         config = {**plan.config, "torch_dtype": CONFIG_DTYPE_NAMES[dtype],
                   "quantization_config": fmt.config(scheme, ignore_names)}
         if "dtype" in plan.base.config:
@@ -164,7 +194,9 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         adapters: dict[str, str] = {}
         fixes: dict[str, list[str]] = {}
         for w, pf in zip(loaded if separate else [], results, strict=False):
-            write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
+            write_vllm_adapter(rescale_adapter(w.adapter, scales), pf, tmp / "adapters" / w.adapter.name)
+            if scales:
+                mark_rescaled(tmp / "adapters" / w.adapter.name, scales_digest(tmp))
             adapters[w.adapter.name] = f"adapters/{w.adapter.name}"
             fixes[pf.adapter] = pf.fixes
         max_rank = round_lora_rank(max(r for w in loaded for r in w.adapter.ranks)) if adapters else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from tuneport.convert.awq.formats import FORMATS, quant_info, scheme_of
 from tuneport.convert.cpu import w4a16_cpu_problem
 from tuneport.convert.errors import UserError
 
-from .vllm_runner import VllmRunner, _bundle_model
+from .vllm_runner import VllmRunner, _bundle_model, adapter_for_awq_base
 
 
 def is_4bit_dir(path: Path) -> bool:
@@ -46,9 +47,11 @@ def dequantized_state(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
     marker = f".{fmt.marker}"
     state: dict[str, torch.Tensor] = {}
-    for module in [k.removesuffix(marker) for k in tensors if k.endswith(marker)]:
+    modules = [k.removesuffix(marker) for k in tensors if k.endswith(marker)]
+    for module in modules:
         state[f"{module}.weight"] = dequantize(fmt.unpack(tensors, module, scheme))
-    packed = {n for m in (k.removesuffix(".weight") for k in state) for n in tensors if n.startswith(m + ".")}
+    packed = {n for m in modules for n in fmt.shapes(1, scheme.group_size, scheme, m) if n in tensors}
+    packed |= {f"{m}.weight_zero_point" for m in modules}  # by name: shapes() lists it only when asymmetric
     for k, t in tensors.items():
         if k not in packed:
             state[k] = t.float() if t.is_floating_point() else t
@@ -81,7 +84,9 @@ class DequantizedRunner(VllmRunner):
         if self.lora is not None:
             from peft import PeftModel
 
-            model_ = PeftModel.from_pretrained(model_, str(self.lora)).eval()
+            with tempfile.TemporaryDirectory(prefix="tuneport-awq-lora-") as tmp:
+                model_ = PeftModel.from_pretrained(model_, str(adapter_for_awq_base(self.lora, self.model_dir,
+                                                                                    Path(tmp)))).eval()
         self.model = model_
 
     def prepare(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int) -> None:

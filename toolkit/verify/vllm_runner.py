@@ -35,6 +35,28 @@ def _bundle_model(artifact: Path) -> Path:
                     "pass a directory written by tuneport export --target vllm or --target safetensors")
 
 
+def adapter_for_awq_base(lora: Path, model_dir: Path, tmp: Path) -> Path:
+    """``lora`` as it must run inside this 4-bit model: rewritten with the scales AWQ folded into the base
+    (unless it already was, or the model has none)."""
+    from tuneport.convert.adapter import load_adapter
+    from tuneport.convert.awq.adapters import read_scales, rescale_adapter, rescaled_for, scales_digest
+    from tuneport.convert.export_vllm import vllm_adapter_config, vllm_adapter_tensors
+
+    scales = read_scales(model_dir)
+    if scales is None or rescaled_for(lora) == scales_digest(model_dir):
+        return lora
+    adapter = rescale_adapter(load_adapter(lora, "verify"), scales)
+    (tmp / "adapter_config.json").write_text(json.dumps(vllm_adapter_config(adapter)))
+    from safetensors.torch import save_file
+
+    save_file(vllm_adapter_tensors(adapter, _NoDrops()), str(tmp / "adapter_model.safetensors"))
+    return tmp
+
+
+class _NoDrops:  # the preflight fields vllm_adapter_tensors reads: keep every tensor
+    drop_tensors: frozenset[str] = frozenset()
+
+
 def compute_dtype(model_dir: Path) -> str:
     """fp32 for float models; a 4-bit model (AWQ / compressed-tensors) runs in its own 16-bit dtype, since
     vLLM's W4A16 kernels have no fp32 path (and on CPU need AVX-512)."""
@@ -78,8 +100,16 @@ class VllmRunner:
                 rank = round_lora_rank(int(json.loads((self.lora / "adapter_config.json").read_text()).get("r") or 8))
             except ValueError as e:
                 raise UserError(f"--lora {self.lora}: {e}", "vLLM cannot load this adapter") from e
+        with tempfile.TemporaryDirectory() as tmp:
+            lora = adapter_for_awq_base(self.lora, self.model_dir, Path(tmp)) if self.lora else None
+            return self._run_job(ids, greedy_prompt, greedy_tokens, rank, lora)
+
+    def _run_job(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int, rank: int | None,
+                 lora: Path | None) -> dict:
+        import tempfile
+
         vocab = len(self.tok)
-        job = {"model": str(self.model_dir), "lora": str(self.lora) if self.lora else None, "max_lora_rank": rank,
+        job = {"model": str(self.model_dir), "lora": str(lora) if lora else None, "max_lora_rank": rank,
                "dtype": self.dtype,
                "ids": ids, "greedy_prompt": greedy_prompt, "greedy_tokens": max(1, greedy_tokens),
                "top_k": min(vocab, TOP_K),
