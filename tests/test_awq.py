@@ -144,6 +144,8 @@ def test_ignore_keeps_modules_16bit(zoo, tmp_path):
     (["--format", "awq-gemm", "--dtype", "bf16"], "stores fp16 scales"),
     (["--calib-seqlen", "4096"], "exceeds the model's context"),
     (["--quant", "q4_k_m"], "--quant does not apply to --target awq"),
+    (["--ignore", r"q_proj$"], "which vLLM fuses into one self_attn.qkv_proj"),
+    (["--calib-samples", "0"], "--calib-samples must be >= 1"),
 ])
 def test_bad_awq_input_exits_2_and_writes_nothing(zoo, tmp_path, cli, args, problem):
     out = tmp_path / "out"
@@ -151,6 +153,14 @@ def test_bad_awq_input_exits_2_and_writes_nothing(zoo, tmp_path, cli, args, prob
                             "--calib-samples", "2", *args)
     assert code == 2 and problem in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and "Traceback" not in err
+
+
+def test_awq_gemm_names_fused_sets_kept_16bit_as_vllm_fuses_them(zoo, tmp_path):
+    out = tmp_path / "awq"
+    tuneport.export(base=zoo.base("llama"), target="awq", out=out, quant_format="awq-gemm", group_size=32,
+                    calib_samples=4, calib_seqlen=32, ignore=[r"layers\.0\.mlp\.(gate|up)_proj$"])
+    skip = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert skip == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_up_proj"]
 
 
 def test_architecture_without_an_awq_entry_is_refused_with_the_reason(zoo, tmp_path, cli):
@@ -356,7 +366,7 @@ def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
 
 
-def test_verify_runs_4bit_in_transformers_where_vllm_cannot(tiny_awq, zoo, monkeypatch):
+def test_verify_runs_4bit_in_transformers_where_vllm_cannot(tiny_awq, zoo, tmp_path, monkeypatch):
     """Without vLLM's W4A16 kernel (no AVX-512 here, or no vLLM), verify decodes the 4-bit weights itself
     and runs them in transformers fp32: both formats give the same numbers."""
     import tuneport.toolkit.verify.dequant_runner as dq
@@ -364,7 +374,70 @@ def test_verify_runs_4bit_in_transformers_where_vllm_cannot(tiny_awq, zoo, monke
     monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda: "no AVX-512 (simulated)")
     reports = [tuneport.verify(artifact=d, reference=zoo.base("llama"), adapter=zoo.adapter("llama", "all_linear"),
                                tokens=64, default_gates=False) for d in tiny_awq.values()]
+    qwen2 = tuneport.export(base=zoo.base("qwen2"), target="awq", out=tmp_path / "qwen2", group_size=32,
+                            calib_samples=4, calib_seqlen=32).out  # q/k/v biases stay 16-bit beside packed weights
+    biased = tuneport.verify(artifact=qwen2, reference=zoo.base("qwen2"), tokens=64, default_gates=False)
+    assert biased.engine.startswith("transformers") and biased.metrics["kl"] < 0.5
     for r in reports:
         assert r.engine.startswith("transformers") and r.metrics["max_abs"] is not None
         assert 0 < r.metrics["kl"] < 0.5 and r.metrics["top1"] > 0.5
     assert reports[0].metrics["kl"] == pytest.approx(reports[1].metrics["kl"], rel=1e-6)
+
+
+def test_adapter_rewritten_for_the_folded_base_is_exact(tmp_path):
+    """AWQ folds scales into the base (a linear's input or output is divided by s inside the 4-bit model); a
+    LoRA trained on the 16-bit base is rewritten (A·diag(s_in), diag(1/s_out)·B) so that the folded block
+    plus the rewritten adapter computes what the original block plus the original adapter computes."""
+    import copy
+
+    from tuneport.convert.adapter import load_adapter
+    from tuneport.convert.awq.adapters import rescale_adapter
+    from tuneport.convert.awq.core import BlockResult, fold_scales, hooked_modules
+    from tuneport.toolkit.tiny import make_adapter, make_base
+
+    base = make_base("qwen2", tmp_path / "base", dims={"num_key_value_heads": 4})  # every fold, v bias too
+    lora = load_adapter(make_adapter(base, "all_linear", tmp_path / "lora"), "lora")
+    spec = awq_arch_for("qwen2")
+    ids = torch.randint(3, 400, (4, 32), generator=torch.Generator().manual_seed(2))
+    bp = BlockPass(plan_merge(Checkpoint(str(base)), []), spec, ids, hooked_modules(spec))
+    x = bp.embeddings()
+    block = next(bp.blocks())
+    original = copy.deepcopy(block.module)
+    result = BlockResult({})
+    fold_scales(block, spec, QuantScheme(group_size=32), {block.prefix + n for g in spec.groups for n in g.linears},
+                result)
+    assert {k for v in result.scales.values() for k in v} == {"input_scale", "output_scale"}
+    rewritten = rescale_adapter(lora, result.scales)
+
+    def with_lora(module, adapter):
+        m = copy.deepcopy(module)
+        for mod in adapter.modules.values():
+            if mod.module.startswith(block.prefix):
+                w = m.get_submodule(mod.module[len(block.prefix):]).weight
+                w.data += mod.scale * (mod.B.float() @ mod.A.float())
+        return m
+
+    kw = dict(attention_mask=None, position_ids=bp.position_ids, position_embeddings=bp.position_embeddings)
+    with torch.no_grad():
+        want = with_lora(original, lora)(x, **kw)
+        got = with_lora(block.module, rewritten)(x, **kw)
+        unrewritten = with_lora(block.module, lora)(x, **kw)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert (unrewritten - want).abs().max() > 100 * (got - want).abs().max()  # what serving it as is would do
+
+
+def test_awq_adapters_are_rewritten_in_the_export_and_when_served(zoo, tmp_path):
+    from tuneport.convert.awq.adapters import SCALES_FILE, rescaled_for, scales_digest
+
+    adapter = zoo.adapter("llama", "all_linear")
+    out = tmp_path / "awq"
+    tuneport.export(base=zoo.base("llama"), target="awq", out=out, adapters=[f"style={adapter}"],
+                    adapter_mode="separate", group_size=32, calib_samples=4, calib_seqlen=32)
+    digest = scales_digest(out)
+    assert (out / SCALES_FILE).exists() and rescaled_for(out / "adapters" / "style") == digest
+    plan = tuneport.serve_plan(base=out, engine="vllm", adapters={"orig": adapter, "bundled": out / "adapters" /
+                                                                  "style"})
+    modules = {m["name"]: m["path"] for c in plan["commands"] for a in c["argv"] if a.startswith('{"name"')
+               for m in [json.loads(a)]}
+    assert modules["orig"].endswith(f"-awq{digest}")  # the user's adapter: a rewritten copy
+    assert modules["bundled"] == str(out / "adapters" / "style")  # the bundle's: already rewritten, used as is

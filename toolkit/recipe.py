@@ -76,6 +76,7 @@ class AWQTarget(_Strict):
     type: Literal["awq"]
     adapters: Literal[ADAPTER_MODES] = "merge"  # type: ignore[valid-type]
     format: Literal[FORMAT_NAMES] = "compressed-tensors"  # type: ignore[valid-type]
+    dtype: Literal["auto", "fp16", "bf16"] = "auto"
     group_size: Literal[GROUP_SIZES] = 128  # type: ignore[valid-type]
     symmetric: bool = False
     ignore: list[str] = []

@@ -106,8 +106,12 @@ class Release:
         for target in self.recipe.targets:
             label = _label(target, seen)
             target_dir = self.out / "artifacts" / label
+            calib = getattr(target, "calib", None)  # a calibration file's content decides the output too
+            calib_file = Path(resolve_local(self.recipe_path, calib)) if calib else None
+            calib_sha = sha256_file(calib_file) if calib_file and calib_file.is_file() else None
             key = hashlib.sha256(json.dumps({"target": target.model_dump(), "inputs": self.inputs, "name":
-                                             self.recipe.name}, sort_keys=True).encode()).hexdigest()
+                                             self.recipe.name, "calib_sha256": calib_sha},
+                                            sort_keys=True).encode()).hexdigest()
             if self._intact(target_dir, state.get(label), key):
                 console.print(f"{label}: outputs recorded and intact, skipped")
                 done[label] = {**state[label], "skipped": True}
@@ -133,7 +137,7 @@ class Release:
         elif target.type == "awq":
             calib = resolve_local(self.recipe_path, target.calib) if target.calib else None
             fields.update(adapter_mode=mode, quant_format=target.format, group_size=target.group_size,
-                          symmetric=target.symmetric, ignore=target.ignore, calib=calib,
+                          dtype=target.dtype, symmetric=target.symmetric, ignore=target.ignore, calib=calib,
                           calib_samples=target.calib_samples, calib_seqlen=target.calib_seqlen)
         return fields
 

@@ -21,6 +21,7 @@ from ..merge import MergePlan, merge_one
 from .archs import AWQArch
 
 FORWARD_TOKENS = 1024  # tokens per block forward (bounds the attention and MLP activations)
+NOT_WEIGHTS = (".rotary_emb.inv_freq",)  # buffers some old checkpoints saved: recomputed by the layer
 SEARCH_TOKENS = 2048  # token rows kept per group input for the scale and clip searches
 
 
@@ -99,14 +100,16 @@ class BlockPass:
         return merge_one(self.plan, self.specs[name]).float()
 
     def embeddings(self) -> torch.Tensor:
-        embed = self.tensor(f"{self.plan.base.arch.embed}.weight")
-        return torch.nn.functional.embedding(self.ids, embed)
+        """The calibration tokens' rows, looked up in the stored dtype and then widened (not the whole table)."""
+        name = f"{self.plan.base.arch.embed}.weight"
+        return torch.nn.functional.embedding(self.ids, merge_one(self.plan, self.specs[name])).float()
 
     def load_block(self, i: int) -> torch.nn.Module:
         prefix = f"{self.layer_prefix}.{i}."
         with torch.device("meta"):
             layer = self.layer_cls(self.config, layer_idx=i)
-        state = {n[len(prefix):]: self.tensor(n) for n in self.specs if n.startswith(prefix)}
+        state = {n[len(prefix):]: self.tensor(n) for n in self.specs
+                 if n.startswith(prefix) and not n.endswith(NOT_WEIGHTS)}
         layer.load_state_dict(state, strict=True, assign=True)
         return layer.float().eval()
 

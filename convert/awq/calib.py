@@ -116,8 +116,8 @@ def token_chunks(tokenizer, text: str, seqlen: int) -> list[list[int]]:
 
 def load_calibration(tokenizer, calib: Path | None, samples: int | None, seqlen: int | None,
                      max_len: int | None = None) -> Calibration:
-    samples = samples or DEFAULT_SAMPLES
-    seqlen = seqlen or min(DEFAULT_SEQLEN, max_len or DEFAULT_SEQLEN)
+    samples = DEFAULT_SAMPLES if samples is None else samples
+    seqlen = min(DEFAULT_SEQLEN, max_len or DEFAULT_SEQLEN) if seqlen is None else seqlen
     if samples < 1 or seqlen < 2:
         raise UserError("--calib-samples must be >= 1 and --calib-seqlen >= 2", "pass positive sizes")
     if max_len and seqlen > max_len:

@@ -25,8 +25,17 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i of an int32 holds
 AWQ_REVERSE = tuple(AWQ_ORDER.index(i) for i in range(PACK))
 
 
+PACK_ROWS = 1024  # rows packed at once: the int64 work space stays small for any weight
+
+
 def pack_nibbles(u: torch.Tensor, order: tuple[int, ...] = tuple(range(PACK))) -> torch.Tensor:
     """Unsigned 4-bit values ``[rows, cols]`` (cols % 8 == 0) -> int32 ``[rows, cols/8]``."""
+    if len(u) > PACK_ROWS:
+        return torch.cat([_pack_rows(u[i:i + PACK_ROWS], order) for i in range(0, len(u), PACK_ROWS)])
+    return _pack_rows(u, order)
+
+
+def _pack_rows(u: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     rows, cols = u.shape
     v = u.to(torch.int64).reshape(rows, cols // PACK, PACK)
     packed = torch.zeros(rows, cols // PACK, dtype=torch.int64)
@@ -161,7 +170,7 @@ def format_for(name: str) -> AWQFormat:
 def quant_info(quantization_config: dict) -> dict | None:
     """``{format, bits, group_size, symmetric}`` of a checkpoint in one of ``FORMATS``, else None."""
     method = quantization_config.get("quant_method")
-    if method == "awq":
+    if method == "awq" and str(quantization_config.get("version", "gemm")).lower() == "gemm":
         return {"format": "awq-gemm", "bits": int(quantization_config.get("bits", 4)),
                 "group_size": int(quantization_config.get("group_size", 128)),
                 "symmetric": not quantization_config.get("zero_point", True)}
@@ -188,5 +197,11 @@ def scheme_of(quantization_config: dict) -> tuple[str, QuantScheme] | None:
     info = quant_info(quantization_config)
     if info is None:
         return None
+    groups = list((quantization_config.get("config_groups") or {}).values())
+    weights = (groups[0] if groups else {}).get("weights") or {}
+    if weights.get("actorder") or weights.get("strategy", "group") != "group" or info["bits"] != 4:
+        raise UserError(f"tuneport decodes group-wise 4-bit weights without activation ordering; this checkpoint "
+                        f"has {info['bits']}-bit, strategy {weights.get('strategy')!r}, actorder "
+                        f"{weights.get('actorder')!r}", "run it in vLLM")
     scale = torch.float16
     return info["format"], QuantScheme(info["bits"], info["group_size"], info["symmetric"], scale)

@@ -64,14 +64,19 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(out, inp // group_size, group_size)
 
 
+def _stored(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """The scale as stored (16-bit), never 0: an all-zero group keeps a tiny scale and decodes to zeros."""
+    return scale.to(scheme.scale_dtype).clamp(min=torch.finfo(scheme.scale_dtype).tiny)
+
+
 def _qparams(g: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-group scale (rounded to the scale dtype, as stored) and zero point (float, integer-valued)."""
     lo, hi = torch.aminmax(g, dim=-1)
     if scheme.symmetric:
         amax = torch.maximum(-lo, hi)
-        return (amax / scheme.qmax).clamp(min=1e-8).to(scheme.scale_dtype), None
+        return _stored(amax / scheme.qmax, scheme), None
     lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    scale = ((hi - lo) / (scheme.qmax - scheme.qmin)).clamp(min=1e-8).to(scheme.scale_dtype)
+    scale = _stored((hi - lo) / (scheme.qmax - scheme.qmin), scheme)
     zero = torch.clamp(scheme.qmin - torch.round(lo / scale.float()), scheme.qmin, scheme.qmax)
     return scale, zero
 
