@@ -335,7 +335,8 @@ def test_adapter_served_over_the_awq_base(trained_awq, tmp_path, capsys):
               f"{agree}/{len(prompts) * n_tokens} tokens; KL {report.metrics['kl']:.5f}, "
               f"top-1 {report.metrics['top1']:.3f}; mixed traffic equals the adapter alone: {not wrong}")
     assert not wrong, f"{len(wrong)} of {len(jobs)} served answers differ from vLLM alone: {wrong[:4]}"
-    assert report.metrics["kl"] < 0.05 and agree >= 0.6 * len(prompts) * n_tokens
+    # measured: KL 0.005, 40/48 tokens (0.029 and 30/48 when the adapter is not rewritten for the folded scales)
+    assert report.metrics["kl"] < 0.01 and agree >= 0.75 * len(prompts) * n_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
