@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own command-line tools (default: llama-imatrix and llama-quantize) from the vendored
-# source in the llama-cpp-python 0.3.36 sdist, with the same non-native CPU flags as
-# build_llama_server.sh. tests/test_imatrix.py runs it once and keeps the binaries under the fixture cache.
+# Builds llama.cpp's own command-line tools (default: llama-imatrix and llama-quantize; llama-server for
+# benchmarks/serve_llamacpp.py) from the vendored source in the llama-cpp-python 0.3.36 sdist, with the
+# non-native CPU flags of the Python build. tests/test_imatrix.py runs it once and keeps the binaries under
+# the fixture cache; nothing of it is committed.
 # Usage: benchmarks/build_llama_tools.sh OUT_DIR [UNPACKED_SDIST_DIR] [TARGET...]
 # The binaries end up in OUT_DIR/bin.
 set -euo pipefail
@@ -10,6 +11,8 @@ src="${2:-}"
 shift $(( $# >= 2 ? 2 : $# ))
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(llama-imatrix llama-quantize)
+server=OFF
+for t in "${targets[@]}"; do [ "$t" = llama-server ] && server=ON; done
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 if [ -z "$src" ]; then
@@ -24,7 +27,7 @@ llama="$src/vendor/llama.cpp"
 # Same CPU flags as the Python build (a native build dies with SIGILL in the AMX path on some VMs).
 cmake -S "$llama" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
   -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_SSE42=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_TOOLS=ON \
   -DBUILD_SHARED_LIBS=OFF > "$out/cmake.log" 2>&1
 cmake --build "$out/build" --target "${targets[@]}" -j "$(nproc)" > "$out/build.log" 2>&1
 mkdir -p "$out/bin"

@@ -63,14 +63,9 @@ class DequantizedRunner(VllmRunner):
     exact_logits = True
 
     def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:  # noqa: D107 (no vLLM here)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model_dir = _bundle_model(Path(model))
-        self.lora = Path(lora) if lora else None
-        if self.lora is not None and not (self.lora / "adapter_config.json").exists():
-            raise UserError(f"--lora {self.lora} is not a PEFT adapter directory",
-                            "pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
-        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        self._open(model, lora)
         cfg, state = dequantized_state(self.model_dir)
         config = AutoConfig.for_model(**cfg)
         model_ = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

