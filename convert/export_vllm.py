@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ def lora_module_args(adapters: dict[str, str], served_name: str) -> list[str]:
     return [json.dumps({"name": n, "path": p, "base_model_name": served_name}) for n, p in adapters.items()]
 
 
-def vllm_adapter_tensors(adapter: Adapter, pf: Preflight) -> dict[str, torch.Tensor]:
+def vllm_adapter_tensors(adapter: Adapter, drop: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """PEFT-named tensors vLLM parses: ``base_model.model.<module>.lora_A.weight`` and friends."""
     out: dict[str, torch.Tensor] = {}
     for mod in adapter.modules.values():
@@ -48,7 +49,7 @@ def vllm_adapter_tensors(adapter: Adapter, pf: Preflight) -> dict[str, torch.Ten
             out[f"{key}.lora_A.weight"] = mod.A.contiguous()
             out[f"{key}.lora_B.weight"] = mod.B.contiguous()
     for name, t in adapter.replacements.items():
-        if name not in pf.drop_tensors:
+        if name not in drop:
             out[PEFT_PREFIX + name] = t.contiguous()
     return out
 
@@ -64,7 +65,8 @@ def vllm_adapter_config(adapter: Adapter) -> dict:
 def write_vllm_adapter(adapter: Adapter, pf: Preflight, out: Path) -> None:
     out.mkdir(parents=True)
     (out / "adapter_config.json").write_text(json.dumps(vllm_adapter_config(adapter), indent=2))
-    save_file(vllm_adapter_tensors(adapter, pf), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(vllm_adapter_tensors(adapter, pf.drop_tensors), str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def launch_args(model_dir: str, served_name: str, *, adapters: dict[str, str], max_rank: int,

@@ -44,6 +44,12 @@ class MergePlan:
     def config(self) -> dict:
         return {**self.base.config, **self.config_updates}
 
+    @property
+    def matrix_dtype(self) -> torch.dtype:
+        """The widest floating dtype of the output's matrices (what the model is stored in)."""
+        return max((s.dtype for s in self.specs if s.dtype.is_floating_point and len(s.shape) == 2),
+                   key=lambda d: d.itemsize, default=torch.float32)
+
 
 def _mismatch(adapter: Adapter, tensor: str, base_shape, adapter_shape) -> UserError:
     base_hint = adapter.config.get("base_model_name_or_path")

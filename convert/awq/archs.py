@@ -29,6 +29,11 @@ class AWQArch:
     groups: tuple[ScaleGroup, ...] = ()
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")  # feed attention scores: no clipping
 
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """Every linear a block quantizes, in group order."""
+        return tuple(n for g in self.groups for n in g.linears)
+
 
 LLAMA_GROUPS = (
     ScaleGroup("input_layernorm", "norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),

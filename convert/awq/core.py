@@ -71,7 +71,7 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
     layer = block.module
     result = BlockResult({})
     inputs = fold_scales(block, arch, scheme, quantized, result) if awq else {}
-    for name in [n for g in arch.groups for n in g.linears]:
+    for name in arch.linears:
         full = block.prefix + name
         if full not in quantized:
             continue

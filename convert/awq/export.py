@@ -47,7 +47,8 @@ def output_dtype(opts_dtype: str, fmt: AWQFormat, base_dtype: torch.dtype) -> to
     return dtype
 
 
-def quantized_modules(plan: MergePlan, arch_groups, layer_prefix: str, n_layers: int, scheme: QuantScheme,
+def quantized_modules(plan: MergePlan, linears: tuple[str, ...], layer_prefix: str, n_layers: int,
+                      scheme: QuantScheme,
                       ignore: list[str]) -> tuple[set[str], list[str], list[str]]:
     """(modules written in 4 bits, modules kept 16-bit by --ignore, modules kept 16-bit by their shape)."""
     try:
@@ -57,7 +58,7 @@ def quantized_modules(plan: MergePlan, arch_groups, layer_prefix: str, n_layers:
     shapes = {s.name: s.shape for s in plan.specs}
     chosen, ignored, unfit = set(), [], []
     for i in range(n_layers):
-        for lin in [n for g in arch_groups for n in g.linears]:
+        for lin in linears:
             name = f"{layer_prefix}.{i}.{lin}"
             out_f, in_f = shapes[f"{name}.weight"]
             if any(p.search(name) for p in patterns):
@@ -126,13 +127,11 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
     plan = plan_merge(ckpt, [] if separate else loaded)
     results = check_for_vllm(ckpt, loaded, opts.max_lora_rank) if separate else []
-    src_dtype = max((s.dtype for s in plan.specs if s.dtype.is_floating_point and len(s.shape) == 2),
-                    key=lambda d: d.itemsize, default=torch.float32)
-    dtype = output_dtype(opts.dtype, fmt, src_dtype)
+    dtype = output_dtype(opts.dtype, fmt, plan.matrix_dtype)
     scheme = QuantScheme(4, opts.group_size or 128, opts.symmetric, scale_dtype=dtype)
     layer_prefix = ckpt.arch.layer_prefix
     n_layers = int(plan.config["num_hidden_layers"])
-    quantized, ignored, unfit = quantized_modules(plan, arch.groups, layer_prefix, n_layers, scheme, opts.ignore)
+    quantized, ignored, unfit = quantized_modules(plan, arch.linears, layer_prefix, n_layers, scheme, opts.ignore)
     if not quantized:
         raise UserError(f"no linear layer can be written with --group-size {scheme.group_size} "
                         "(input width must divide by it, output width by 8)",

@@ -50,11 +50,11 @@ def build_imatrix(opts: ExportOptions, plan: MergePlan, arch: ArchSpec, tok_dir:
     """The calibration text through the (merged) model, one block at a time: (matrix, calibration description)."""
     from transformers import AutoTokenizer
 
-    from ..awq.calib import DEFAULT_SEQLEN, load_calibration
+    from ..awq.calib import load_calibration
 
     max_len = plan.config.get("max_position_embeddings")
-    seqlen = opts.calib_seqlen or min(DEFAULT_SEQLEN, max_len or DEFAULT_SEQLEN)  # the default fits the context
-    calib = load_calibration(AutoTokenizer.from_pretrained(tok_dir), opts.calib, opts.calib_samples, seqlen, max_len)
+    calib = load_calibration(AutoTokenizer.from_pretrained(tok_dir), opts.calib, opts.calib_samples,
+                             opts.calib_seqlen or None, max_len)  # its default seqlen fits the context
     log.info("importance matrix: %d samples of %d tokens from %s", *calib.ids.shape, calib.source)
     return compute_imatrix(plan, arch, calib.ids, dataset=calib.source), calib.describe()
 
@@ -75,9 +75,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         plan = plan_merge(ckpt, [])
         loras = [(w.adapter, build_gguf_lora(w.adapter, ckpt, arch)) for w in loaded]  # refuses before writing
     specs = {s.name: s for s in plan.specs}
-    src_dtype = max((s.dtype for s in plan.specs if s.dtype.is_floating_point and len(s.shape) == 2),
-                    key=lambda d: torch.empty((), dtype=d).element_size(), default=torch.float32)
-    lossless = lossless_type(src_dtype)
+    lossless = lossless_type(plan.matrix_dtype)
     direct = [q for q in quants if q.direct]
     via_llamacpp = [q for q in quants if not q.direct]
     if via_llamacpp and lossless not in direct:

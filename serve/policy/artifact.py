@@ -96,9 +96,16 @@ def _plain(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
     return (w.shape[1], w.shape[0]) if w is not None and len(w.shape) == 2 else None  # [out, in]
 
 
+def _packed(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
+    """(in, out) of a 4-bit module in a format tuneport writes (convert.awq.formats reads it)."""
+    from tuneport.convert.awq.formats import packed_weight_shape
+
+    shape = packed_weight_shape(ckpt, m)
+    return (shape[1], shape[0]) if shape else None
+
+
 def _awq(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
-    q, s = _meta(ckpt, f"{m}.qweight"), _meta(ckpt, f"{m}.scales")  # [in, out/pack], [groups, out]
-    return (q.shape[0], s.shape[1]) if q and s else _plain(ckpt, m)
+    return _packed(ckpt, m) or _plain(ckpt, m)
 
 
 def _gptq(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
@@ -109,9 +116,8 @@ def _gptq(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
 
 
 def _compressed(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
-    if f"{m}.weight_shape" in ckpt:  # pack-quantized: the original [out, in] is stored as a tensor
-        out, inp = (int(x) for x in ckpt.read(f"{m}.weight_shape").tolist())
-        return inp, out
+    if shape := _packed(ckpt, m):  # pack-quantized: the original [out, in] is stored as a tensor
+        return shape
     p = _meta(ckpt, f"{m}.weight_packed")  # [out, in * bits / 32]
     return (p.shape[1] * 32 // _bits(ckpt.quantization), p.shape[0]) if p else _plain(ckpt, m)
 

@@ -49,12 +49,8 @@ def adapter_for_awq_base(lora: Path, model_dir: Path, tmp: Path) -> Path:
     (tmp / "adapter_config.json").write_text(json.dumps(vllm_adapter_config(adapter)))
     from safetensors.torch import save_file
 
-    save_file(vllm_adapter_tensors(adapter, _NoDrops()), str(tmp / "adapter_model.safetensors"))
+    save_file(vllm_adapter_tensors(adapter), str(tmp / "adapter_model.safetensors"))
     return tmp
-
-
-class _NoDrops:  # the preflight fields vllm_adapter_tensors reads: keep every tensor
-    drop_tensors: frozenset[str] = frozenset()
 
 
 def compute_dtype(model_dir: Path) -> str:
