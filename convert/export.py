@@ -61,6 +61,14 @@ def gguf_architecture(ckpt: Checkpoint) -> None:
     gguf_arch_for(arch_for(ckpt.model_type))
 
 
+def mlx_architecture(ckpt: Checkpoint) -> None:
+    from .mlx.archs import mlx_arch_for
+    from .mlx.export import require_mlx
+
+    mlx_arch_for(arch_for(ckpt.model_type).model_type)
+    require_mlx()
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -87,6 +95,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "or served over it", ("merge", "separate"),
            ("dtype", "max_lora_rank", "quant_format", "group_size", "symmetric", "ignore", "calib", "calib_samples",
             "calib_seqlen"), "awq.export:export_awq", checks=(unquantized, awq_architecture)),
+    Target("mlx", "MLX LM (Apple Silicon; mlx[cpu] on Linux): merged or base + mlx-lm adapters, --quant as "
+           "mlx-lm's own quantizer", ("merge", "separate"), ("dtype", "quant", "group_size"), "mlx.export:export_mlx",
+           checks=(unquantized, mlx_architecture)),
 )}
 
 

@@ -18,6 +18,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "I16": torch.int16,
     "I8": torch.int8,
     "U8": torch.uint8,
+    "U32": torch.uint32,  # MLX packed weights
     "BOOL": torch.bool,
 }
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}

@@ -114,14 +114,16 @@ def export(
     adapter: Annotated[list[str] | None, typer.Option("--adapter", help="[NAME=]PATH[:WEIGHT]; repeatable")] = None,
     adapters: Annotated[AdapterMode, typer.Option("--adapters", help="Merge adapters or keep them separate")]
     = "merge",
-    quant: Annotated[str | None, typer.Option("--quant", help="gguf: type(s), comma-separated")] = None,
-    dtype: Annotated[DType, typer.Option("--dtype", help="safetensors, vllm, awq: output dtype")] = "auto",
+    quant: Annotated[str | None, typer.Option("--quant", help="gguf: type(s), comma-separated; mlx: one type "
+                                                                      "(q4, q8, mxfp4, mixed_3_6, ...)")] = None,
+    dtype: Annotated[DType, typer.Option("--dtype", help="safetensors, vllm, awq, mlx: output dtype")] = "auto",
     max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank", help="vllm: rank limit to check")] = None,
     bpe_pre: Annotated[str | None, typer.Option("--bpe-pre", help="gguf: llama.cpp pre-tokenizer name")] = None,
     name: Annotated[str | None, typer.Option("--name", help="gguf: file name stem (default: base dir name)")] = None,
     quant_format: Annotated[str | None, typer.Option("--format", help="awq: compressed-tensors (default) or "
                                                      "awq-gemm")] = None,
-    group_size: Annotated[int | None, typer.Option("--group-size", help="awq: 32, 64 or 128 (default)")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="awq: 32, 64 or 128 (default); "
+                                                                             "mlx: 32, 64 (default) or 128")] = None,
     symmetric: Annotated[bool, typer.Option("--symmetric", help="awq: no zero points")] = False,
     ignore: Annotated[list[str] | None, typer.Option("--ignore", help="awq: REGEX of modules kept 16-bit; "
                                                      "repeatable")] = None,

@@ -74,8 +74,7 @@ def make_base(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **{**TINY_DIMS, **(dims or {})},
-        **dict(spec.extra),
+        **{**TINY_DIMS, **dict(spec.extra), **(dims or {})},  # dims override the architecture's extras
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

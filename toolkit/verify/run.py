@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tuneport.convert.errors import FidelityError, UserError
+from tuneport.convert.mlx.read import mlx_model_info
 from tuneport.convert.options import coerce_options
 
 from ..fidelity import compare_logits
@@ -67,6 +68,7 @@ def _value(v) -> str:
 # Artifact kinds verify runs, by what the path is: (test, "module:class" of the runner under toolkit.verify).
 ARTIFACT_KINDS: tuple[tuple[Callable[[Path], bool], str], ...] = (
     (lambda p: p.suffix == ".gguf", "gguf_runner:GGUFRunner"),  # llama.cpp
+    (lambda p: mlx_model_info(p) is not None, "mlx_runner:MlxRunner"),  # an MLX LM directory: mlx-lm
     (lambda p: _is_4bit_without_vllm(p), "dequant_runner:DequantizedRunner"),  # 4-bit where vLLM cannot run it
     (lambda p: p.is_dir(), "vllm_runner:VllmRunner"),  # a vLLM bundle or a merged HF model: vLLM
 )
@@ -84,13 +86,15 @@ def _runner_for(opts: VerifyOptions):
     path = Path(opts.artifact)
     if not path.exists():
         raise UserError(f"{path} does not exist",
-                        "pass the artifact to verify: a .gguf model file, a vLLM bundle or an HF model directory")
+                        "pass the artifact to verify: a .gguf model file, an MLX directory, a vLLM bundle or an HF "
+                        "model directory")
     for matches, target in ARTIFACT_KINDS:
         if matches(path):
             module, cls = target.split(":")
             return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
     raise UserError(f"tuneport verify cannot run {path.name}",
-                    "pass a .gguf model file (a GGUF LoRA with --lora), a vLLM bundle or an HF model directory")
+                    "pass a .gguf model file (a GGUF LoRA with --lora), an MLX directory (an mlx-lm adapter with "
+                    "--lora), a vLLM bundle or an HF model directory")
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:
