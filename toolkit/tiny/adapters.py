@@ -21,6 +21,7 @@ class Variant:
     tied_base: bool = False
     add_tokens: bool = False
     vllm_refusal: str = ""  # substring of tuneport's vLLM preflight refusal, "" when vLLM accepts it
+    mlx_refusal: str = ""  # substring of why it cannot be an mlx-lm adapter, "" when it can
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -49,6 +50,7 @@ VARIANTS: dict[str, Variant] = {
             dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head", "embed_tokens"]),
             add_tokens=True,
             vllm_refusal="modules_to_save",
+            mlx_refusal="replaces whole tensors",
         ),
         Variant("embedding", dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "q_proj"])),
         Variant("tied", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]), tied_base=True),
