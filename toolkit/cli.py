@@ -64,7 +64,7 @@ def _root(
 @app.command()
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="HF model dir or hub id, PEFT adapter dir, "
-                                        "or .gguf file")],
+                                        ".gguf file, MLX LM dir or mlx-lm adapter dir")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """What PATH is, its architecture, size and dtype, and which engines load it as is."""

@@ -9,11 +9,19 @@ from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, rea
 from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
 from tuneport.convert.checkpoint import Checkpoint
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import base_refusal
+from tuneport.convert.export import TARGETS, base_refusal
 from tuneport.convert.gguf.lora import lora_refusals
 from tuneport.convert.gguf.model import GGUF_ARCHS, gguf_arch_for
 from tuneport.convert.gguf.read import gguf_field, is_lora, open_gguf
 from tuneport.convert.manifest import MANIFEST
+from tuneport.convert.mlx.read import (
+    hf_engines_refusal,
+    is_mlx_adapter,
+    mlx_adapter_info,
+    mlx_lm_refusal,
+    mlx_model_info,
+    mlx_weights,
+)
 from tuneport.convert.vllm_rules import preflight
 
 # Every verdict below comes from the rule functions the exporters and preflights use themselves
@@ -21,6 +29,8 @@ from tuneport.convert.vllm_rules import preflight
 EXL3_MODEL = ("ExLlamaV3 loads EXL3 only, which this version of tuneport does not write "
               "(exllamav3's own converter takes an unquantized HF directory)")
 EXL3_ADAPTER = "TabbyAPI's exllamav3 backend loads no LoRA: merge it first (tuneport merge)"
+MLX_ADAPTER = ("an mlx-lm adapter (lora_a/lora_b transposed, one scale): export the PEFT adapter it was made from "
+               "for this engine")
 
 
 def _engine(ok: bool, why: str = "") -> dict:
@@ -57,6 +67,24 @@ def gguf_lora_verdict(adapter: Adapter, arch: ArchSpec | None) -> str:
             + (f" (works if {' and '.join(needs)})" if needs else ""))
 
 
+def mlx_lora_verdict(adapter: Adapter, cfg: dict) -> str:
+    """What mlx-lm needs instead of a PEFT adapter; checked against its base when the adapter names a local one."""
+    from tuneport.convert.mlx.adapters import refusals
+
+    how = "tuneport export --target mlx --adapters separate"
+    base = Path(str(cfg.get("base_model_name_or_path") or "")).expanduser()
+    if not cfg.get("base_model_name_or_path") or not (base / "config.json").is_file():
+        return f"mlx-lm loads mlx-lm adapters only: {how} (it checks the adapter against the base)"
+    try:
+        ck = Checkpoint(base)
+        problems = [r for r in (base_refusal(ck, "mlx"),) if r] or refusals(adapter, ck)
+    except UserError as e:
+        problems = [e.line()]
+    if problems:
+        return "mlx-lm loads mlx-lm adapters only, and this one has no mlx-lm form: " + "; ".join(problems)
+    return f"mlx-lm loads mlx-lm adapters only: {how}"
+
+
 def inspect_adapter(path: Path) -> dict:
     cfg = read_adapter_config(path)
     refusals = config_refusals(cfg)
@@ -64,7 +92,7 @@ def inspect_adapter(path: Path) -> dict:
         return {"kind": "peft-adapter", "path": str(path), "peft_type": cfg.get("peft_type"),
                 "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "unsupported": refusals,
                 "engines": {e: _engine(False, "; ".join(refusals))
-                            for e in ("llama.cpp", "vllm", "exllamav3", "ollama")}}
+                            for e in ("llama.cpp", "vllm", "exllamav3", "ollama", "mlx")}}
     a = load_adapter(path)
     arch = _arch_from_adapter(cfg)
     modules = {m.module: {"kind": m.kind, "r": m.rank, "alpha": m.alpha, "scale": round(m.scale, 6),
@@ -78,6 +106,7 @@ def inspect_adapter(path: Path) -> dict:
         "exllamav3": _engine(False, EXL3_ADAPTER),
         "ollama": _engine(False, gguf_reason.replace("llama.cpp loads GGUF LoRA files only",
                                                      "Ollama's ADAPTER needs a GGUF LoRA")),
+        "mlx": _engine(False, mlx_lora_verdict(a, cfg)),
     }
     return {
         "kind": "peft-adapter",
@@ -98,34 +127,52 @@ def inspect_adapter(path: Path) -> dict:
     }
 
 
+def _made_by(path: Path) -> dict | None:
+    """Who wrote a directory, from its manifest.json (tuneport's exports)."""
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict):
+        return None
+    return {"tool": m.get("tool"), "target": m.get("target"),
+            "adapters": [i.get("name") for i in m.get("inputs", []) if i.get("role") == "adapter"]}
+
+
+def export_verdicts(ck: Checkpoint) -> dict[str, dict]:
+    """For every ``tuneport export --target``: whether it would run on this base, and why not (the exporters'
+    own checks)."""
+    return {name: {"ok": (why := base_refusal(ck, name)) is None, "reason": why or ""} for name in TARGETS}
+
+
+def _mlx_engine(ck: Checkpoint, exports: dict[str, dict]) -> dict:
+    if not exports["mlx"]["ok"]:
+        return _engine(False, f"tuneport cannot export this one to MLX ({exports['mlx']['reason']})")
+    as_is = mlx_lm_refusal(ck.config) if ck.format == "safetensors" else "mlx-lm reads safetensors only"
+    return _engine(as_is is None, f"{as_is}: tuneport export --target mlx" if as_is else "")
+
+
 def inspect_model(spec: str) -> dict:
     ck = Checkpoint(spec)
     arch = known_arch(ck.model_type)
-    manifest = ck.path / MANIFEST
     quant = ck.quantization
     kind = "hf-model"
-    made_by = None
-    if manifest.exists():
-        try:
-            m = json.loads(manifest.read_text())
-            made_by = {"tool": m.get("tool"), "target": m.get("target"),
-                       "adapters": [i.get("name") for i in m.get("inputs", []) if i.get("role") == "adapter"]}
-            if m.get("target") in ("merge", "safetensors", "vllm"):
-                kind = "merged-checkpoint"
-        except ValueError:
-            pass
+    made_by = _made_by(ck.path)
+    if made_by and made_by["target"] in ("merge", "safetensors", "vllm"):
+        kind = "merged-checkpoint"
     weights_4bit = _weight_quantization(ck)
     if quant:
         kind = "quantized-checkpoint"
     vllm_ok = arch is not None or bool(set(ck.config.get("architectures") or []))
-    gguf_refusal = base_refusal(ck, "gguf")
-    gguf_how = ("tuneport export --target gguf" if gguf_refusal is None
-                else f"tuneport cannot export this one to GGUF ({gguf_refusal})")
+    exports = export_verdicts(ck)
+    gguf_how = ("tuneport export --target gguf" if exports["gguf"]["ok"]
+                else f"tuneport cannot export this one to GGUF ({exports['gguf']['reason']})")
     engines = {
         "llama.cpp": _engine(False, f"llama.cpp loads GGUF only: {gguf_how}"),
         "vllm": _engine(vllm_ok, "" if arch else "architecture not in tuneport's tables; vLLM may still load it"),
         "exllamav3": _engine(False, EXL3_MODEL),
         "ollama": _engine(False, f"Ollama imports GGUF: {gguf_how}"),
+        "mlx": _mlx_engine(ck, exports),
     }
     return {
         "kind": kind,
@@ -143,8 +190,56 @@ def inspect_model(spec: str) -> dict:
         "weight_quantization": weights_4bit,
         "made_by": made_by,
         "tokenizer_files": [f.name for f in ck.side_files()],
+        "exports": exports,
         "engines": engines,
     }
+
+
+def inspect_mlx_model(path: Path, info: dict) -> dict:
+    """An MLX LM directory (mlx-lm's layout, maybe quantized by mlx): what mlx-lm runs, and for the others why not."""
+    ck = Checkpoint(path)
+    weights = mlx_weights(path, {n: ck.meta(n) for n in ck.names()}, ck.config.get("quantization"))
+    quant = info["quantization"]
+    if quant is not None:
+        quant = {**quant, "quantized_modules": weights["quantized_modules"], "per_module": info["per_module"],
+                 "bits_used": list(weights["modules_by_bits"]), "modules_by_bits": weights["modules_by_bits"],
+                 "unquantized_matrices": weights["unquantized_matrices"]}
+    other = hf_engines_refusal(info, ck.model_type)
+    gguf = "llama.cpp loads GGUF only: export the original Hugging Face model with tuneport export --target gguf"
+    engines = {
+        "llama.cpp": _engine(False, gguf),
+        "vllm": _engine(other is None, f"vLLM cannot run it: {other}" if other else ""),
+        "exllamav3": _engine(False, EXL3_MODEL),
+        "ollama": _engine(False, gguf.replace("llama.cpp loads GGUF only", "Ollama imports GGUF")),
+        "mlx": _engine(True),
+    }
+    return {
+        "kind": "mlx-model",
+        "format": "mlx",
+        "path": str(path),
+        "architecture": ck.model_type,
+        "hf_architectures": ck.config.get("architectures"),
+        "parameters": weights["parameters"],
+        "dtype": weights["dtype"],
+        "bytes": ck.nbytes,
+        "files": len(ck.weight_files),
+        "vocab_size": ck.config.get("vocab_size"),
+        "tied_embeddings": ck.tied_embeddings,
+        "quantization": quant,
+        "adapters": sorted(p.parent.name for p in path.glob("adapters/*/adapter_config.json")
+                           if is_mlx_adapter(p.parent)),
+        "made_by": _made_by(path),
+        "tokenizer_files": [f.name for f in ck.side_files()],
+        "engines": engines,
+    }
+
+
+def inspect_mlx_adapter(path: Path) -> dict:
+    """An mlx-lm adapter directory (adapters.safetensors + adapter_config.json)."""
+    info = mlx_adapter_info(path)
+    engines = {e: _engine(False, MLX_ADAPTER) for e in ("llama.cpp", "vllm", "exllamav3", "ollama")}
+    engines["mlx"] = _engine(True, "over the MLX model it was made for (mlx-lm's --adapter-path)")
+    return {"kind": "mlx-adapter", "format": "mlx", "path": str(path), **info, "engines": engines}
 
 
 def _weight_quantization(ck: Checkpoint) -> dict | None:
@@ -196,6 +291,10 @@ def inspect_path(spec: str) -> dict:
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return inspect_gguf(path)
+    if is_mlx_adapter(path):
+        return inspect_mlx_adapter(path)
+    if (mlx := mlx_model_info(path)) is not None:
+        return inspect_mlx_model(path, mlx)
     if path.is_dir() and (path / "adapter_config.json").exists():
         return inspect_adapter(path)
     if path.is_dir() and not (path / "config.json").exists() and any(path.glob("adapter_model.*")):
@@ -211,26 +310,48 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _mlx_quant_line(q: dict) -> str:
+    bits = q["modules_by_bits"]
+    width = "/".join(map(str, bits)) if len(bits) > 1 else str(q["bits"])
+    line = (f"mlx {q['mode']} {width}-bit{' mixed' if q['per_module'] else ''}, group {q['group_size']}; "
+            f"{q['quantized_modules']} modules ({', '.join(f'{b}-bit: {n}' for b, n in bits.items())})")
+    if q["per_module"]:
+        line += f", {q['per_module']} per-module entries"
+    return line + f"; unquantized: {', '.join(q['unquantized_matrices']) or 'none'}"
+
+
+def _quant_line(r: dict) -> str | None:
+    """The quantization of a 4-bit checkpoint tuneport writes or of an MLX directory, in words (None: as is)."""
+    if wq := r.get("weight_quantization"):
+        return (f"{wq['format']} {wq['bits']}-bit, group {wq['group_size']}, "
+                f"{'symmetric' if wq['symmetric'] else 'asymmetric'}; {wq['quantized_modules']} modules "
+                f"({', '.join(wq['module_kinds'])}); 16-bit: {', '.join(wq['kept_16bit']) or 'none'}")
+    if r["kind"] == "mlx-model":
+        return _mlx_quant_line(r["quantization"]) if r["quantization"] else "none"
+    return None
+
+
 def format_report(r: dict) -> str:
     lines = [f"{r['path']}: {r['kind']}"]
-    keys = ["architecture", "base_model", "parameters", "dtype", "bytes", "files", "vocab_size", "tied_embeddings",
-            "r", "lora_alpha", "ranks", "targets", "modules_to_save", "quant_types", "tensors", "chat_template",
-            "lora_alpha", "quantization", "made_by"]
-    if wq := r.get("weight_quantization"):
-        keys.remove("quantization")
-        lines.append(f"  {'quantization':16} {wq['format']} {wq['bits']}-bit, group {wq['group_size']}, "
-                     f"{'symmetric' if wq['symmetric'] else 'asymmetric'}; {wq['quantized_modules']} modules "
-                     f"({', '.join(wq['module_kinds'])}); 16-bit: {', '.join(wq['kept_16bit']) or 'none'}")
+    keys = ["format", "architecture", "base_model", "fine_tune_type", "parameters", "dtype", "bytes", "files",
+            "vocab_size", "tied_embeddings", "r", "lora_alpha", "ranks", "targets", "modules_to_save", "rank", "scale",
+            "num_layers", "layers", "keys", "modules", "quant_types", "tensors", "chat_template", "lora_alpha",
+            "quantization", "adapters", "made_by"]
     for k in dict.fromkeys(keys):
-        if k in r and r[k] not in (None, [], {}):
+        if k == "quantization" and (q := _quant_line(r)) is not None:
+            lines.append(f"  {k:16} {q}")
+        elif k in r and r[k] not in (None, [], {}) and not (k == "modules" and isinstance(r[k], dict)):
             v = _size(r[k]) if k == "bytes" else (f"{r[k]:,}" if k == "parameters" else r[k])
             lines.append(f"  {k:16} {v}")
     if r.get("flags"):
         on = {k: v for k, v in r["flags"].items() if v not in (False, None, {}, [], "none")}
         lines.append(f"  {'flags':16} {on or 'none'}")
-    if r.get("modules"):
+    if isinstance(r.get("modules"), dict) and r["modules"]:
         scales = sorted({(m['r'], m['alpha'], m['scale']) for m in r["modules"].values()})
         lines.append(f"  {'scales':16} " + ", ".join(f"r={a} alpha={b:g} -> {c:g}" for a, b, c in scales))
+    if exports := r.get("exports"):
+        lines.append(f"  {'exports':16} " + (", ".join(t for t, e in exports.items() if e["ok"]) or "none"))
+        lines += [f"  {'':16} not {t}: {e['reason']}" for t, e in exports.items() if not e["ok"]]
     for name, e in r.get("engines", {}).items():
         mark = "yes" if e["loads"] else "no "
         lines.append(f"  {name:10} {mark}  {e['reason']}".rstrip())

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
+from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..errors import UserError
 from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .archs import MLX_ARCHS, mlx_config
+
+if TYPE_CHECKING:
+    from ..tensors import TensorMeta
 
 
 def _st_format(path: Path) -> str | None:
@@ -46,3 +54,116 @@ def mlx_model_info(path: Path) -> dict | None:
     top["mode"] = top["mode"] or "affine"
     return {"quantization": top, "per_module": len(per_module),
             "bits_used": sorted({v.get("bits") for v in per_module.values()} | {top["bits"]})}
+
+
+def _bad_mlx(path: Path, what: str) -> UserError:
+    return UserError(f"{path} is not a valid MLX LM directory ({what})",
+                     "export it again (tuneport export --target mlx) or copy the whole directory again")
+
+
+def _module_quant(quant: dict, module: str) -> dict:
+    """A quantized module's {mode, bits, group_size}: its own entry (mixed recipes) over the defaults."""
+    entry = quant.get(module)
+    top = {"mode": quant.get("mode") or "affine", "bits": quant.get("bits"), "group_size": quant.get("group_size")}
+    return {**top, **entry} if isinstance(entry, dict) else top
+
+
+def mlx_weights(path: Path, metas: dict[str, TensorMeta], quant: dict | None) -> dict:
+    """What an MLX LM directory's tensors hold (``metas``: name -> TensorMeta of every weight file; ``quant``:
+    its config's ``quantization``): parameters with quantized weights counted unpacked, the floating dtype,
+    and per bit width how many modules are quantized with it. A packed weight whose scales disagree with
+    its bits and group size is a UserError naming the module."""
+    quantized = sorted(n.removesuffix(".scales") for n in metas
+                       if n.endswith(".scales") and f"{n.removesuffix('.scales')}.weight" in metas)
+    parts = {f"{m}.{s}" for m in quantized for s in ("scales", "biases")}
+    params, by_bits = 0, Counter()
+    for m in quantized:
+        q = _module_quant(quant or {}, m)
+        rows, packed = metas[f"{m}.weight"].shape[0], metas[f"{m}.weight"].shape[-1]
+        groups = metas[f"{m}.scales"].shape[-1]
+        if not isinstance(q["bits"], int) or not isinstance(q["group_size"], int) or q["bits"] <= 0 or \
+                packed * 32 != groups * q["group_size"] * q["bits"]:
+            raise _bad_mlx(path, f"{m}: packed weight {list(metas[f'{m}.weight'].shape)} and scales "
+                                 f"{list(metas[f'{m}.scales'].shape)} do not fit {q['bits']} bits in groups of "
+                                 f"{q['group_size']}")
+        params += rows * packed * 32 // q["bits"]
+        by_bits[q["bits"]] += 1
+    if quantized and not quant:
+        raise _bad_mlx(path, f"{quantized[0]} is quantized but config.json has no quantization")
+    floating = Counter()
+    for name, meta in metas.items():
+        if name in parts or name.removesuffix(".weight") in quantized:
+            continue
+        params += meta.numel
+        if meta.dtype.is_floating_point:
+            floating[meta.dtype] += meta.numel
+    dtype = floating.most_common(1)[0][0] if floating else None
+    return {"parameters": params, "dtype": str(dtype).replace("torch.", "") if dtype else None,
+            "quantized_modules": len(quantized), "modules_by_bits": {b: by_bits[b] for b in sorted(by_bits)},
+            "unquantized_matrices": sorted(n.removesuffix(".weight") for n, t in metas.items()
+                                           if n.endswith(".weight") and len(t.shape) == 2
+                                           and n.removesuffix(".weight") not in quantized)}
+
+
+def hf_engines_refusal(info: dict, model_type: str | None) -> str | None:
+    """Why transformers and vLLM would not run an MLX LM directory as mlx-lm does (None when they read it as is:
+    unquantized, the Hugging Face tensor names of an architecture tuneport writes unchanged)."""
+    if info["quantization"] is not None:
+        return "its weights are in mlx's own quantization (packed weight, scales, biases), which only mlx reads"
+    arch = MLX_ARCHS.get(str(model_type))
+    if arch is None:
+        return f"tuneport's MLX tables do not know architecture {model_type!r}, so its tensor layout is not checked"
+    if arch.embed_factor is not None:
+        return "its embedding rows are scaled for mlx-lm's model (see convert/mlx/archs.py), so they would run off"
+    return None
+
+
+def mlx_lm_refusal(cfg: dict) -> str | None:
+    """Why mlx-lm would not run a Hugging Face directory as transformers does (None when it would): config
+    keys it reads only at the top level, or a model that computes differently in mlx-lm."""
+    arch = MLX_ARCHS.get(str(cfg.get("model_type")))
+    if arch is None:
+        return f"tuneport's MLX tables do not know architecture {cfg.get('model_type')!r}"
+    try:
+        _, filled = mlx_config(cfg)
+    except UserError as e:
+        return e.message
+    if filled:
+        return f"mlx-lm reads {', '.join(filled)} only at the top level of config.json, where this one lacks it"
+    if arch.embed_factor is not None:
+        return "mlx-lm computes its embedding scale differently (see convert/mlx/archs.py)"
+    return None
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not valid JSON ({str(e)[:80]})", "repair it, or export the adapter again") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object", "repair it, or export the adapter again")
+    return data
+
+
+def mlx_adapter_info(path: Path) -> dict:
+    """An mlx-lm adapter directory: its config (``adapters.read_mlx_adapter``) and its tensors (count, bytes,
+    dtype, rank, layers); a UserError when the config or the tensors are not an mlx-lm adapter's."""
+    from ..safetensors_file import SafetensorsFile
+    from .adapters import read_mlx_adapter
+
+    _json_object(path / ADAPTER_CONFIG)
+    cfg = read_mlx_adapter(path)
+    st = SafetensorsFile(path / ADAPTER_WEIGHTS)
+    lora = cfg.get("lora_parameters") or {}
+    ranks = sorted({t.shape[-1] for n, t in st.tensors.items() if n.endswith(".lora_a") and len(t.shape) == 2})
+    if lora.get("rank") is not None and ranks and ranks != [lora["rank"]]:
+        raise UserError(f"{path / ADAPTER_WEIGHTS} has lora_a of rank {', '.join(map(str, ranks))}, "
+                        f"{ADAPTER_CONFIG} says rank {lora['rank']}", "export the adapter again")
+    modules = {n.rsplit(".", 1)[0] for n in st.tensors if n.endswith((".lora_a", ".lora_b", ".m"))}
+    layers = sorted({int(m[1]) for n in modules if (m := re.search(r"\.layers\.(\d+)\.", n))})
+    dtypes = Counter(str(t.dtype).replace("torch.", "") for t in st.tensors.values())
+    return {"fine_tune_type": cfg.get("fine_tune_type", "lora"), "num_layers": cfg.get("num_layers"),
+            "rank": lora.get("rank"), "scale": lora.get("scale"), "dropout": lora.get("dropout"),
+            "keys": lora.get("keys"), "tensors": len(st.tensors), "bytes": st.size,
+            "parameters": sum(t.numel for t in st.tensors.values()), "dtype": dtypes.most_common(1)[0][0]
+            if dtypes else None, "modules": len(modules), "layers": [layers[0], layers[-1]] if layers else None}
