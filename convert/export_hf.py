@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .checkpoint import SIDE_FILES
 from .export import Progress, open_inputs
-from .io import ShardedSafetensorsWriter, atomic_dir
+from .io import atomic_dir, write_tensors
 from .manifest import input_entries, write_manifest
 from .merge import MergePlan, merge_one, plan_merge
 from .options import DEFAULT_SHARD_BYTES, ExportOptions, ExportResult, MergeOptions
@@ -19,19 +19,8 @@ TOKENIZER_FILES = tuple(f for f in SIDE_FILES if f != "generation_config.json")
 def write_merged(plan: MergePlan, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                  progress: Progress | None = None) -> dict[Path, str]:
     """Stream the merged tensors into ``out`` (an existing, empty directory); return output sha256s."""
-    writer = ShardedSafetensorsWriter(out, plan.specs, max_shard_bytes=max_shard_bytes)
-    total = sum(s.nbytes for s in plan.specs)
-    done = 0
-    try:
-        for spec in plan.specs:
-            writer.write(spec.name, merge_one(plan, spec))
-            done += spec.nbytes
-            if progress:
-                progress(done, total, spec.name)
-        writer.close()
-    finally:
-        writer.stop()
-    hashes = writer.sha256()
+    hashes = write_tensors(out, plan.specs, plan.specs, lambda spec: [(spec.name, merge_one(plan, spec))],
+                           max_shard_bytes=max_shard_bytes, progress=progress)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2))
     copy_side_files(plan, out)
     return hashes

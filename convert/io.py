@@ -13,7 +13,7 @@ import shutil
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,6 +372,28 @@ class ShardedSafetensorsWriter:
             idx.write_text(json.dumps(index, indent=2))
             files.append(idx)
         return files
+
+
+def write_tensors(directory: Path, specs: list[TensorMeta], sources: list[TensorMeta],
+                  produce: Callable[[TensorMeta], Iterable[tuple[str, torch.Tensor]]], *, max_shard_bytes: int,
+                  progress: Callable[[int, int, str], None] | None = None,
+                  metadata: dict[str, str] | None = None) -> dict[Path, str]:
+    """Write the tensors ``produce(source)`` yields for each source in turn (all planned in ``specs``) into
+    safetensors shards under ``directory``; progress counts source bytes. Returns the shards' sha256."""
+    writer = ShardedSafetensorsWriter(directory, specs, max_shard_bytes=max_shard_bytes, metadata=metadata)
+    total = sum(s.nbytes for s in sources)
+    done = 0
+    try:
+        for source in sources:
+            for name, tensor in produce(source):
+                writer.write(name, tensor)
+            done += source.nbytes
+            if progress:
+                progress(done, total, source.name)
+        writer.close()
+    finally:
+        writer.stop()
+    return writer.sha256()
 
 
 def content_digest(directory: Path) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from ..errors import UserError
 from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
-from ..io import ShardedSafetensorsWriter, atomic_dir
+from ..io import atomic_dir, write_tensors
 from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, OUT_DTYPES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult
@@ -38,11 +38,15 @@ DTYPE_BY_NAME = {v: k for k, v in CONFIG_DTYPE_NAMES.items()}
 
 
 def require_mlx() -> None:
+    """mlx (imported: it must run here) and mlx-lm (found; importing it costs seconds of transformers)."""
+    import importlib.util
+
     try:
         import mlx.core  # noqa: F401
-        import mlx_lm  # noqa: F401
     except ImportError as e:
-        raise UserError(f"--target mlx needs mlx and mlx-lm ({e.name} is not installed)", INSTALL_HINT) from None
+        raise UserError(f"--target mlx needs mlx ({e})", INSTALL_HINT) from None
+    if importlib.util.find_spec("mlx_lm") is None:
+        raise UserError("--target mlx needs mlx-lm, which is not installed", INSTALL_HINT)
 
 
 def output_dtype(plan: MergePlan, dtype: str) -> torch.dtype:
@@ -99,30 +103,21 @@ def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_sh
     """Stream the tensors of ``layout`` into ``out``; at most one tensor (and its quantized parts) in memory."""
     from .arrays import to_mx, to_torch
 
-    writer = ShardedSafetensorsWriter(out, layout.specs, max_shard_bytes=max_shard_bytes,
-                                      metadata={"format": "mlx"})
-    total = sum(s.nbytes for s in layout.sources)
-    done = 0
-    try:
-        for spec in layout.sources:
-            t = merge_one(plan, spec)
-            if (fix := fixes.get(spec.name)) is not None:
-                t = fix(t)
-            if t.dtype.is_floating_point:
-                t = t.to(layout.dtype)
-            module = spec.name.removesuffix(".weight")
-            if (params := layout.quantized.get(module)) is None:
-                writer.write(spec.name, t)
-            else:
-                for suffix, part in quantize(to_mx(t), params).items():
-                    writer.write(f"{module}.{suffix}", to_torch(part))
-            done += spec.nbytes
-            if progress:
-                progress(done, total, spec.name)
-        writer.close()
-    finally:
-        writer.stop()
-    return writer.sha256()
+    def produce(spec: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:
+        t = merge_one(plan, spec)
+        if (fix := fixes.get(spec.name)) is not None:
+            t = fix(t)
+        if t.dtype.is_floating_point:
+            t = t.to(layout.dtype)
+        module = spec.name.removesuffix(".weight")
+        if (params := layout.quantized.get(module)) is None:
+            yield spec.name, t
+            return
+        for suffix, part in quantize(to_mx(t), params).items():
+            yield f"{module}.{suffix}", to_torch(part)
+
+    return write_tensors(out, layout.specs, layout.sources, produce, max_shard_bytes=max_shard_bytes,
+                         progress=progress, metadata={"format": "mlx"})
 
 
 def check_loads(model_dir: Path, adapter_dirs: list[Path]) -> None:
