@@ -188,6 +188,29 @@ def test_doctor_json(cli):
         assert [b["key"] for b in r["vllm_known_bugs"]] == ["cpu-base-gets-last-slot"]
 
 
+def test_doctor_mlx(cli):
+    """mlx[cpu] is in the test environment: doctor imports it in a child, quantizes, and names the device."""
+    import importlib.metadata as md
+
+    code, out, _ = cli("doctor", "--json")
+    m = json.loads(out)["mlx"]
+    assert code == 0 and m["mlx"] == md.version("mlx") and m["mlx_lm"] == md.version("mlx-lm")
+    assert m["usable"] is True and m["export"] is True and m["quantize_error"] < 0.05
+    assert m["device"] == ("gpu (Metal)" if m["metal"] else "cpu")
+    code, out, _ = cli("doctor")
+    assert f"mlx: ok, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, on {m['device']}: export --target mlx" in out
+
+
+def test_doctor_mlx_missing_names_the_install():
+    from tuneport.toolkit.doctor import format_doctor, mlx_status
+
+    m = mlx_status({"mlx": "0.32.4", "mlx-lm": None})
+    assert m["usable"] is False and m["export"] is False and m["serve"] is False
+    assert m["reason"].startswith("mlx-lm not installed: pip install 'tuneport[mlx]'")
+    assert format_doctor({"python": "3", "platform": "p", "cpus": 1, "memory_bytes": None, "cuda": None,
+                          "packages": {}, "engines": {}, "mlx": m}).endswith(f"mlx: no: {m['reason']}")
+
+
 def test_merge_json_is_one_object_on_stdout(zoo, tmp_path, cli):
     code, out, _ = cli("merge", "--base", zoo.base("llama"), "--adapter", zoo.adapter("llama", "plain"),
                        "--out", tmp_path / "m", "--json")

@@ -284,7 +284,7 @@ def release(
 
 @app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Python, torch, which engines are importable, CUDA, versions."""
+    """Python, torch, which engines are importable, CUDA, versions, and whether mlx runs here (and on what)."""
     from .doctor import doctor_report, format_doctor
 
     report = doctor_report()

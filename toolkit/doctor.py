@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 
+from tuneport.convert.mlx import INSTALL_HINT as MLX_INSTALL_HINT
 from tuneport.serve.registry import ENGINES
 
 PACKAGES = {
@@ -20,6 +23,8 @@ PACKAGES = {
     "llama-cpp-python": "llama_cpp",
     "vllm": "vllm",
     "exllamav3": "exllamav3",
+    "mlx": "mlx",
+    "mlx-lm": "mlx_lm",
     "sentencepiece": "sentencepiece",
     "tokenizers": "tokenizers",
 }
@@ -36,6 +41,51 @@ def _version(dist: str, module: str) -> str | None:
     return "unknown"
 
 
+MLX_CHECK_TIMEOUT_S = 120
+
+
+def mlx_probe() -> dict:
+    """Run in a child process by :func:`mlx_status`: import mlx and mlx-lm, quantize a small array as ``export
+    --target mlx`` does, and name the device mlx computes on."""
+    import mlx.core as mx
+    import mlx_lm  # noqa: F401  (export --target mlx and serve --engine mlx need it)
+
+    w = mx.arange(4 * 64, dtype=mx.float32).reshape(4, 64) / 256
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    err = float(mx.abs(mx.dequantize(packed, scales, biases, group_size=64, bits=4) - w).max().item())
+    device = mx.default_device()
+    return {"device": "gpu (Metal)" if device.type == mx.gpu else "cpu", "metal": bool(mx.metal.is_available()),
+            "quantize_error": err}
+
+
+def mlx_status(pkgs: dict[str, str | None]) -> dict:
+    """Whether mlx works here: its versions, a quantization run in a child process (a broken native build
+    cannot take doctor down), the device, and what that enables."""
+    serves = any(spec.package in ("mlx", "mlx_lm") for spec in ENGINES.values())
+    out = {"mlx": pkgs["mlx"], "mlx_lm": pkgs["mlx-lm"], "usable": False, "device": None, "reason": "",
+           "export": False, "serve": False}
+    if not (pkgs["mlx"] and pkgs["mlx-lm"]):
+        missing = " and ".join(n for n in ("mlx", "mlx-lm") if not pkgs[n])
+        return {**out, "reason": f"{missing} not installed: {MLX_INSTALL_HINT}"}
+    code = "import json; from tuneport.toolkit.doctor import mlx_probe; print(json.dumps(mlx_probe()))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=MLX_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {**out, "reason": f"importing mlx and quantizing 256 numbers took over {MLX_CHECK_TIMEOUT_S} s"}
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {**out, "reason": f"mlx does not run here: {last[:200]}"}
+    try:
+        probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {**out, "reason": f"the mlx check printed no result ({proc.stdout.strip()[-200:]!r})"}
+    if not probe["quantize_error"] < 0.05:
+        return {**out, **probe, "reason": f"mx.quantize round trip is off by {probe['quantize_error']:.3g}"}
+    return {**out, **probe, "usable": True, "export": True, "serve": serves,
+            "reason": "" if serves else "this version of tuneport has no serve --engine mlx"}
+
+
 def doctor_report() -> dict:
     pkgs = {d: _version(d, m) for d, m in PACKAGES.items()}
     cuda = None
@@ -46,7 +96,8 @@ def doctor_report() -> dict:
                 "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     engines = {}
     for spec in ENGINES.values():  # the engines tuneport serves, from the registry
-        dist = next(d for d, m in PACKAGES.items() if m == spec.package)
+        dist = next((d for d, m in PACKAGES.items() if m == spec.package), spec.package)
+        pkgs.setdefault(dist, _version(dist, spec.package))
         engines[spec.label.lower()] = {"engine": spec.name, "available": bool(pkgs[dist]), "version": pkgs[dist],
                                        "reason": "" if pkgs[dist] else spec.install_hint}
     bugs = []
@@ -74,6 +125,7 @@ def doctor_report() -> dict:
         "engines": engines,
         "vllm_known_bugs": bugs,
         "vllm_w4a16_cpu": {"ok": w4a16 is None, "reason": w4a16 or ""},
+        "mlx": mlx_status(pkgs),
     }
 
 
@@ -93,4 +145,15 @@ def format_doctor(r: dict) -> str:
     w4 = r.get("vllm_w4a16_cpu") or {"ok": True}
     lines.append("vLLM 4-bit (AWQ/compressed-tensors) on this CPU: "
                  + ("ok (AVX-512)" if w4["ok"] else f"no: {w4['reason']}"))
+    mlx = r.get("mlx")
+    if mlx:
+        lines.append(_mlx_line(mlx))
     return "\n".join(lines)
+
+
+def _mlx_line(m: dict) -> str:
+    if not m["usable"]:
+        return f"mlx: no: {m['reason']}"
+    works = "export --target mlx and serve --engine mlx work" if m["serve"] else "export --target mlx works"
+    return (f"mlx: ok, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, on {m['device']}: {works} here"
+            + (f" ({m['reason']})" if m["reason"] else ""))
