@@ -102,7 +102,8 @@ def test_rope_base_only_in_rope_parameters_is_written_where_mlx_reads_it(cli, ba
     assert (in_mlx(tmp_path / "mlx") - ref).abs().max().item() <= TOL
 
 
-QUANTS = [("q4", None), ("q8", "32"), ("q4", "128"), ("mixed_3_6", "64"), ("mxfp4", None), ("q3", "32")]
+QUANTS = [("q4", None, "fp32"), ("q8", "32", "fp32"), ("q4", "128", "fp32"), ("mixed_3_6", "64", "fp32"),
+          ("mxfp4", None, "fp32"), ("q3", "32", "fp32"), ("q4", "64", "bf16"), ("nvfp4", None, "bf16")]
 
 
 def _tensors(directory: Path) -> dict:
@@ -114,8 +115,8 @@ def _tensors(directory: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("quant", "group"), QUANTS)
-def test_quantized_export_is_what_mlx_lm_convert_writes(cli, bases, adapters, tmp_path, capsys, quant, group):
+@pytest.mark.parametrize(("quant", "group", "dtype"), QUANTS)
+def test_quantized_export_is_what_mlx_lm_convert_writes(cli, zoo, adapters, tmp_path, capsys, quant, group, dtype):
     """The same merged fine-tune: tuneport's streaming export and mlx_lm.convert of the merged HF
     directory hold the same quantized tensors bit for bit; KL to the fp32 export is reported."""
     import mlx.core as mx
@@ -123,7 +124,7 @@ def test_quantized_export_is_what_mlx_lm_convert_writes(cli, bases, adapters, tm
 
     from tuneport.convert.mlx.quant import QUANT_TYPES
 
-    base, adapter = bases("llama"), adapters("llama", "all_linear")
+    base, adapter = zoo.base("llama", dtype), zoo.adapter("llama", "all_linear", dtype)
     code, _, err = cli("export", "--base", base, "--adapter", adapter, "--target", "safetensors",
                        "--out", tmp_path / "merged")
     assert code == 0, err
@@ -144,8 +145,8 @@ def test_quantized_export_is_what_mlx_lm_convert_writes(cli, bases, adapters, tm
     export(cli, base, tmp_path / "fp32", "--adapter", adapter)
     cmp = compare_logits(in_mlx(tmp_path / "fp32"), in_mlx(tmp_path / "ours"))
     with capsys.disabled():
-        print(f"\n  mlx {quant} group {group or 'default'}: KL to fp32 {cmp.kl:.2e}, top-1 {cmp.top1:.3f}, "
-              f"max |Δlogit| {cmp.max_abs:.3f} (tensors equal mlx_lm.convert's)")
+        print(f"\n  mlx {quant} group {group or 'default'}: KL to the unquantized {dtype} export "
+              f"{cmp.kl:.2e}, top-1 {cmp.top1:.3f}, max |Δlogit| {cmp.max_abs:.3f} (tensors equal mlx_lm.convert's)")
     assert cmp.kl < {8: 1e-3, 6: 0.05, 5: 0.1, 4: 0.25}.get(q.bits, 0.6)  # random tiny weights quantize badly
 
 
