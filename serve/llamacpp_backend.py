@@ -1,4 +1,5 @@
-"""The llama.cpp backend: tokens generated in this process by :class:`LlamaCppEngine`, answers built here.
+"""The llama.cpp backend: tokens generated in this process by :class:`LlamaCppEngine`, answers built by
+:class:`~tuneport.serve.inprocess.InProcessBackend`.
 
 ``--base`` may be a GGUF file or an HF directory (converted once to GGUF and cached); adapters may be GGUF
 LoRA files or PEFT directories (converted on load for an HF base, cached by content hash).
@@ -6,16 +7,10 @@ LoRA files or PEFT directories (converted on load for an HF base, cached by cont
 
 from __future__ import annotations
 
-import codecs
-import contextlib
 import functools
 import hashlib
-import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-
-from starlette.concurrency import run_in_threadpool
 
 from tuneport.convert.adapter import load_adapter, resolve_adapter_path
 from tuneport.convert.arch import arch_for
@@ -28,14 +23,14 @@ from tuneport.convert.gguf.runtime import chat_renderer
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.options import ExportOptions, model_name
 
-from .contract import Backend, Kind, Usage, number
-from .engines.llamacpp import GenerationRequest, LlamaCppEngine
+from .engines.base import GenerationRequest
+from .engines.llamacpp import LlamaCppEngine
 from .errors import ApiError
-from .http import SSE_DONE, sse
+from .inprocess import InProcessBackend
 from .pool import PoolError
 
 
-class LlamaCppBackend(Backend):
+class LlamaCppBackend(InProcessBackend):
     engine = "llamacpp"
     weighted_mixes = True
 
@@ -140,104 +135,11 @@ class LlamaCppBackend(Backend):
         prompt, add_bos = self._chat_renderer(messages)
         return self.llama.tokenize(prompt, add_bos, special=True)
 
-    def prompt_tokens(self, kind: Kind, body: dict) -> list[int]:
-        if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError("messages must be a non-empty list")
-            return self.render_chat(messages)
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, str):
-            return self.tokenize(prompt)
-        raise ApiError("prompt must be a string or a list of token ids")
+    def piece(self, token: int) -> bytes:
+        return self.llama.piece(token)
 
-    def _text(self, req: GenerationRequest, stops: list[str], token_ids: list[int] | None, usage: Usage
-              ) -> Iterator[tuple[str, str | None]]:
-        """(text delta, finish reason or None), cut at the first stop string; runs in a worker thread."""
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        text, sent, stopped = "", 0, False
-        hold = max((len(s) - 1 for s in stops if s), default=0)  # a stop string may still be forming
-        for tok in self.llama.generate(req):
-            usage.completion_tokens += 1
-            if token_ids is not None:
-                token_ids.append(tok)
-            seen = max(0, len(text) - hold)  # no stop string ends before here: earlier text was searched
-            text += decoder.decode(self.llama.piece(tok))
-            hit = next((at for s in stops if s and (at := text.find(s, seen)) >= 0), -1)
-            if hit >= 0:
-                text, stopped = text[:hit], True
-                break
-            if len(text) - hold > sent:
-                yield text[sent: len(text) - hold], None
-                sent = len(text) - hold
-        finish = "length" if not stopped and usage.completion_tokens >= req.max_tokens else "stop"
-        yield text[sent:], finish
-
-    def _start(self, kind: Kind, body: dict, usage: Usage) -> tuple[GenerationRequest, dict[str, float], list]:
-        """Parse the request: the engine request, the adapters it needs, its stop strings."""
-        adapters = self.adapters_for(body)
-        prompt = self.prompt_tokens(kind, body)
-        usage.prompt_tokens = len(prompt)
-        seed = body.get("seed")
-        req = GenerationRequest(
-            prompt_tokens=prompt, adapters=adapters, max_tokens=int(number(body, "max_tokens", 16, int)),
-            temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
-            seed=None if seed is None else int(number(body, "seed", 0, int)),
-            ignore_eos=bool(body.get("ignore_eos", False)))
-        stops = body.get("stop") or []
-        return req, adapters, [stops] if isinstance(stops, str) else list(stops)
-
-    async def _pieces(self, req: GenerationRequest, stops: list[str], usage: Usage,
-                      token_ids: list[int] | None = None) -> AsyncIterator[tuple[str, str | None]]:
-        """The text deltas of ``req``, each produced in a worker thread; stopping early cancels the request."""
-        it = self._text(req, stops, token_ids, usage)
-        try:
-            while (item := await run_in_threadpool(next, it, None)) is not None:
-                yield item
-        finally:
-            it.close()  # the engine drops the sequence at its next step
-
-    async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
-        req, adapters, stops = self._start(kind, body, usage)
-        ids: list[int] = []
-        text, finish = "", None
-        with await self.hold(adapters):  # released only after the engine has dropped the request
-            async with contextlib.aclosing(self._pieces(req, stops, usage, ids)) as pieces:
-                async for delta, fin in pieces:
-                    text += delta
-                    finish = fin or finish
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        extra = {}
-        if body.get("return_token_ids"):  # vLLM's extension: the prompt's and the answer's token ids
-            choice["token_ids"] = ids
-            extra["prompt_token_ids"] = req.prompt_tokens
-        return {"id": _response_id(kind), "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": body.get("model") or self.name, "choices": [choice],
-                "usage": usage.as_dict(), **extra}
-
-    async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
-        req, adapters, stops = self._start(kind, body, usage)
-        head = {"id": _response_id(kind), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": body.get("model") or self.name}
-        first = True
-        with await self.hold(adapters):  # released only after the engine has dropped the request
-            async with contextlib.aclosing(self._pieces(req, stops, usage)) as pieces:
-                async for delta, finish in pieces:
-                    if kind == "chat":
-                        d = {"role": "assistant", "content": delta} if first else {"content": delta}
-                        choice = {"index": 0, "delta": d, "finish_reason": finish}
-                    else:
-                        choice = {"index": 0, "text": delta, "finish_reason": finish}
-                    first = False
-                    yield sse({**head, "choices": [choice]})
-        yield SSE_DONE
+    def run(self, request: GenerationRequest) -> Iterator[int]:
+        return self.llama.generate(request)
 
     # -- state ---------------------------------------------------------------------------------------
     def health(self) -> bool:
@@ -256,6 +158,3 @@ def _check_dtype(fmt: str, dtype: str) -> None:
         raise UserError(f"--dtype {dtype} applies to an HF base (the GGUF it is converted to)",
                         "drop --dtype: a GGUF file is served with its own types")
 
-
-def _response_id(kind: Kind) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"

@@ -25,19 +25,9 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, tensor_shapes
 from tuneport.convert.gguf.runtime import llamacpp_logging
 
+from .base import GenerationRequest, sample
 
-@dataclass
-class GenerationRequest:
-    """One generation: prompt tokens, the adapter set (name -> scale; {} = the base), sampling."""
-
-    prompt_tokens: list[int]
-    adapters: dict[str, float] = field(default_factory=dict)
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_tokens: tuple[int, ...] = ()
-    ignore_eos: bool = False
+__all__ = ["GenerationRequest", "LlamaCppEngine"]
 
 
 @dataclass(eq=False)
@@ -256,7 +246,7 @@ class LlamaCppEngine:
             still = []
             for sq, row in rows:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
-                tok = self._sample(logits, sq.req, sq.rng)
+                tok = sample(logits, sq.req, sq.rng)
                 eog = not sq.req.ignore_eos and lc.llama_vocab_is_eog(self.vocab, tok)
                 done = sq.cancelled or tok in sq.req.stop_tokens or eog
                 if not done:
@@ -274,21 +264,6 @@ class LlamaCppEngine:
                 for sq in self._claim(key, len(free_ids)):
                     sq.seq_id = free_ids.pop(0)
                     active.append(sq)
-
-    @staticmethod
-    def _sample(logits: np.ndarray, request: GenerationRequest, rng) -> int:
-        if request.temperature <= 0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / request.temperature
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if request.top_p < 1.0:
-            order = np.argsort(-p)
-            keep = order[: int(np.searchsorted(np.cumsum(p[order]), request.top_p) + 1)]
-            mask = np.zeros_like(p)
-            mask[keep] = p[keep]
-            p = mask / mask.sum()
-        return int(rng.choice(len(p), p=p))
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         lc = self.lc
