@@ -52,9 +52,10 @@ class ServeOptions:
     port: int = 8000  # 0: any free port (the Python API's Server.url tells which)
     api_key_file: Path | None = None
     concurrency: int = 8  # expected simultaneous requests: engine choice and memory plan
-    dtype: str = "auto"  # vLLM: model dtype; llama.cpp with an HF base: the GGUF it converts to
+    dtype: str = "auto"  # vLLM: model dtype; llama.cpp / MLX with an HF base: the model it converts to
+    # llama.cpp and MLX
+    n_ctx: int = 2048  # tokens per request (prompt + output)
     # llama.cpp
-    n_ctx: int = 2048
     workers: int = 2
     kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
     # vLLM

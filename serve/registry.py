@@ -49,6 +49,8 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
                ("hf", "awq", "compressed-tensors", "gptq"), "vllm_backend:VllmBackend", "policy.plan:plan_vllm",
                options=("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "max_lora_rank",
                         "max_loras", "engine_port", "vllm_base_guard", "log_file", "vllm_args")),
+    EngineSpec("mlx", "MLX LM", "mlx_lm", "pip install 'tuneport[mlx]'", ("hf", "mlx"), "mlx_backend:MlxBackend",
+               "policy.plan:plan_mlx", options=("n_ctx",)),
 )}
 
 
@@ -85,5 +87,6 @@ def check_engine_options(opts, engine: str) -> None:
         for key in other.options:
             if key not in mine and key in given:
                 flag = option_flag(key)
-                raise UserError(f"{flag}: only --engine {other.name} honours it, this server runs {engine}",
-                                f"drop it, or serve with --engine {other.name}")
+                those = " or ".join(e.name for e in ENGINES.values() if key in e.options)
+                raise UserError(f"{flag}: only --engine {those} honours it, this server runs {engine}",
+                                f"drop it, or serve with --engine {those}")

@@ -1,0 +1,194 @@
+"""The MLX backend: tokens generated in this process by :class:`MlxEngine` (mlx-lm's model, our multi-adapter
+layers and batching), answers built by :class:`~tuneport.serve.inprocess.InProcessBackend`.
+
+``--base`` may be an MLX LM directory (served as it is) or an HF directory / hub id (converted once with
+``export --target mlx`` and cached by content; ``--dtype`` is the dtype of that conversion). Adapters may be
+mlx-lm adapter directories (``adapters.safetensors`` + ``adapter_config.json``) or PEFT directories
+(converted on load to mlx-lm's layout, cached by content and base).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from tuneport.convert.adapter import load_adapter, resolve_adapter_path
+from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
+from tuneport.convert.errors import UserError
+from tuneport.convert.export import export
+from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.merge import WeightedAdapter, plan_merge
+from tuneport.convert.mlx import ADAPTER_WEIGHTS
+from tuneport.convert.mlx.read import is_mlx_adapter, mlx_model_info
+from tuneport.convert.options import ExportOptions, model_name
+from tuneport.convert.safetensors_file import SafetensorsFile
+
+from .engines.base import GenerationRequest
+from .engines.hf_text import HfText
+from .engines.mlx import MlxEngine
+from .inprocess import InProcessBackend
+from .pool import PoolError
+
+log = logging.getLogger("tuneport.serve.mlx")
+LORA_PARTS = ("lora_a", "lora_b", "m")  # an mlx-lm adapter's tensors per module
+MLX_DEFAULT_SCALE = 20.0  # mlx-lm's LoRA scale when a config gives none
+
+
+class MlxBackend(InProcessBackend):
+    engine = "mlx"
+
+    def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
+                 n_ctx: int = 2048, dtype: str = "auto") -> None:
+        name = model_name(base)
+        path = resolve_model_path(base)
+        self.hf_base: Path | None = None
+        if mlx_model_info(path) is not None:
+            _check_dtype("mlx", dtype)
+            model_dir = path
+        elif path.is_dir():
+            self.hf_base = path
+            model_dir = cached_mlx(path, dtype)
+        else:
+            raise UserError(f"--base {path} is not a model directory", "pass an MLX LM or HF model directory")
+        self.model_dir = model_dir
+        self.mlx = MlxEngine(model_dir, n_ctx=n_ctx)
+        try:
+            super().__init__(name, max_adapters, adapter_dir)
+            self.text = HfText(getattr(self.mlx.tokenizer, "_tokenizer", self.mlx.tokenizer))
+        except BaseException:
+            self.mlx.close()
+            raise
+
+    @classmethod
+    def check_options(cls, opts, fmt: str) -> None:
+        _check_dtype(fmt, opts.dtype)
+
+    @classmethod
+    def from_options(cls, opts) -> MlxBackend:
+        startup = opts.startup_adapters(must_fit=opts.pin)
+        backend = cls(opts.base, max_adapters=opts.max_adapters, adapter_dir=opts.adapter_dir, n_ctx=opts.n_ctx,
+                      dtype=opts.dtype)
+        try:
+            for name, path in startup.items():
+                backend.pool.add(name, resolve_adapter_path(path), pinned=opts.pin, trusted=True)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def attach_adapter(self, name: str, path: Path) -> int:
+        if is_mlx_adapter(path):
+            source = path
+        elif path.is_dir() and (path / "adapter_config.json").exists():
+            source = self._convert_peft(path)
+        else:
+            raise PoolError(f"{path} is neither an mlx-lm adapter ({ADAPTER_WEIGHTS}) nor a PEFT directory",
+                            "pass an mlx-lm adapter directory or a PEFT adapter directory", status=422)
+        try:
+            return self.mlx.load_adapter(name, read_mlx_lora(source))
+        except UserError as e:
+            raise PoolError(e.message, e.hint, status=422) from e
+
+    def detach_adapter(self, name: str) -> None:
+        self.mlx.unload_adapter(name)
+
+    def _convert_peft(self, adapter_dir: Path) -> Path:
+        """A PEFT adapter as an mlx-lm adapter directory for this base, converted once and cached."""
+        from tuneport.convert.mlx.adapters import mlx_adapter, write_mlx_adapter
+
+        base_dir = self.hf_base or self.model_dir
+        base_key = hashlib.sha256((base_dir / "config.json").read_bytes()).hexdigest()[:12]
+        out = cache_dir() / "mlx-adapters" / f"{content_digest(adapter_dir)}-{base_key}"
+        if out.exists():
+            return out
+        try:
+            ck = Checkpoint(base_dir)  # its own reader: conversions run in parallel threads
+            adapter = load_adapter(adapter_dir)
+            if self.hf_base is not None:  # an MLX base's quantized weights are packed: the engine checks shapes
+                plan_merge(ck, [WeightedAdapter(adapter)])
+            converted = mlx_adapter(adapter, ck)
+        except UserError as e:
+            raise PoolError(e.message, e.hint, status=422) from e
+        for note in converted.notes:
+            log.info("%s", note)
+        return write_once(out, lambda tmp: write_mlx_adapter(converted, tmp))
+
+    # -- requests ------------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        return self.text.chat(messages)
+
+    def piece(self, token: int) -> bytes:
+        return self.text.piece(token)
+
+    def run(self, request: GenerationRequest) -> Iterator[int]:
+        return self.mlx.generate(request)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def health(self) -> bool:
+        return self.mlx.alive()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "mlx_model": str(self.model_dir), "n_ctx": self.mlx.n_ctx,
+                "max_batch": self.mlx.max_batch, "base_bytes": self.mlx.base_bytes,
+                "adapter_bytes": self.mlx.stack_bytes, "mlx_active_bytes": self.mlx.active_bytes()}
+
+    def close(self) -> None:
+        self.mlx.close()
+
+
+def cached_mlx(hf_dir: Path, dtype: str) -> Path:
+    """The HF base as an MLX LM directory, converted once and cached by content (config, tokenizer, weights)."""
+    ck = Checkpoint(hf_dir)
+    h = hashlib.sha256(f"mlx:{dtype}".encode())
+    for f in [hf_dir / "config.json", *ck.side_files()]:
+        h.update(f.name.encode() + f.read_bytes())
+    for f in ck.weight_files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = cache_dir() / "mlx" / h.hexdigest()[:24]
+    if not out.exists():
+        export(ExportOptions(base=hf_dir, target="mlx", out=out, dtype=dtype))
+    return out
+
+
+def read_mlx_lora(path: Path) -> dict:
+    """An mlx-lm adapter directory as {module path: ModuleLora} with its scale folded into ``b``."""
+    from tuneport.convert.mlx.adapters import read_mlx_adapter
+
+    from .engines.mlx_lora import ModuleLora
+
+    cfg = read_mlx_adapter(path)
+    kind = cfg.get("fine_tune_type", "lora")
+    if kind not in ("lora", "dora"):
+        raise UserError(f"{path} is an mlx-lm {kind!r} fine-tune (whole weights), not LoRA",
+                        "fuse it into the base (mlx_lm.fuse) and serve the result as --base")
+    try:
+        scale = float((cfg.get("lora_parameters") or {}).get("scale", MLX_DEFAULT_SCALE))
+    except (TypeError, ValueError):
+        raise UserError(f"{path / 'adapter_config.json'}: lora_parameters.scale is not a number", "") from None
+    st = SafetensorsFile(path / ADAPTER_WEIGHTS)
+    parts: dict[str, dict] = {}
+    for name in st.tensors:
+        module, _, part = name.rpartition(".")
+        if part not in LORA_PARTS:
+            raise UserError(f"{path / ADAPTER_WEIGHTS} holds {name}, which is not a LoRA tensor",
+                            "an mlx-lm LoRA adapter holds lora_a, lora_b (and m for DoRA) per module")
+        parts.setdefault(module, {})[part] = st.read(name).float().numpy()
+    out = {}
+    for module, p in parts.items():
+        if "lora_a" not in p or "lora_b" not in p:
+            raise UserError(f"{path / ADAPTER_WEIGHTS}: {module} lacks lora_a or lora_b", "re-export the adapter")
+        out[module] = ModuleLora(p["lora_a"], p["lora_b"] * scale, p.get("m"), dora=kind == "dora")
+    return out
+
+
+def _check_dtype(fmt: str, dtype: str) -> None:
+    if fmt == "mlx" and dtype != "auto":
+        raise UserError(f"--dtype {dtype} applies to an HF base (the MLX model it is converted to)",
+                        "drop --dtype: an MLX directory is served with its own types")
