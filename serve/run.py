@@ -226,7 +226,9 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
             if engine == "vllm":
                 raise
             notes.append(f"vLLM: {e.line()}")
-    for name in ("llamacpp", "vllm"):
+    for name in ("llamacpp", "vllm", "mlx"):
+        if artifact.format not in engine_spec(name).formats and "mlx" in (name, artifact.format):
+            continue  # MLX directories and the MLX engine only pair with each other: no note either
         try:
             if name == "vllm" and vllm_plan is not None:
                 launch = vllm_plan.launch
@@ -241,6 +243,10 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
                     name, artifact, dataclasses.replace(load, context_len=opts.n_ctx), workers=opts.workers,
                     adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup], dtype=opts.dtype,
                     kv_bytes_per_elem=4 if opts.kv_f32 else None)
+            elif name == "mlx":
+                plans[name] = policy.memory_plan(
+                    name, artifact, dataclasses.replace(load, context_len=opts.n_ctx),
+                    adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup], dtype=opts.dtype)
         except UserError as e:
             notes.append(f"{name}: {e.line()}")
     decision = auto

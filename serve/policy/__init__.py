@@ -20,6 +20,7 @@ from .artifact import (
 )
 from .choice import (
     ANY_ACCEL,
+    APPLE,
     FORMAT_LABELS,
     GPU,
     MANY_ADAPTERS,
@@ -31,10 +32,11 @@ from .choice import (
     ServeLoad,
     choose_engine,
 )
-from .hardware import ENGINES, GIB, INSTALL_HINTS, MIB, Hardware, detect_hardware, installed_engines
+from .hardware import ENGINES, GIB, INSTALL_HINTS, MIB, Hardware, apple_silicon, detect_hardware, installed_engines
 from .plan import (
     LLAMACPP_KV_PAD,
     LLAMACPP_SEQS_PER_CONTEXT,
+    MLX_KV_STEP,
     PLAN_COLUMNS,
     VLLM_DTYPE_BYTES,
     MemoryPlan,
@@ -43,6 +45,7 @@ from .plan import (
     human_bytes,
     memory_plan,
     plan_llamacpp,
+    plan_mlx,
     plan_vllm,
     shell_line,
 )
@@ -50,11 +53,12 @@ from .scale_out import nginx_upstream, replica_commands
 
 __all__ = [
     "EXL3_SIDE_FILE", "EXL3_TENSOR_SUFFIX", "FORMATS", "GGUF_FLOAT_BYTES", "QUANT_METHODS", "SHAPE_READERS",
-    "ArtifactInfo", "ShapeReader", "adapter_nbytes", "artifact_format", "describe_artifact", "ANY_ACCEL",
+    "ArtifactInfo", "ShapeReader", "adapter_nbytes", "artifact_format", "describe_artifact", "ANY_ACCEL", "APPLE",
     "FORMAT_LABELS", "GPU",
     "MANY_ADAPTERS", "MANY_REQUESTS", "QUANTIZED", "RULES", "EngineDecision", "Rule", "ServeLoad",
-    "choose_engine", "LLAMACPP_KV_PAD", "LLAMACPP_SEQS_PER_CONTEXT", "PLAN_COLUMNS", "plan_llamacpp", "plan_vllm",
+    "choose_engine", "LLAMACPP_KV_PAD", "LLAMACPP_SEQS_PER_CONTEXT", "MLX_KV_STEP", "PLAN_COLUMNS", "plan_llamacpp",
+    "plan_mlx", "plan_vllm",
     "VLLM_DTYPE_BYTES", "MemoryPlan", "dry_run", "format_dry_run", "human_bytes", "memory_plan", "shell_line",
-    "ENGINES", "GIB", "INSTALL_HINTS", "MIB", "Hardware", "detect_hardware",
+    "ENGINES", "GIB", "INSTALL_HINTS", "MIB", "Hardware", "apple_silicon", "detect_hardware",
     "installed_engines", "nginx_upstream", "replica_commands",
 ]

@@ -12,11 +12,13 @@ from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
 from tuneport.convert.checkpoint import Checkpoint
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import gguf_field, open_gguf
+from tuneport.convert.mlx import ADAPTER_WEIGHTS
+from tuneport.convert.mlx.read import mlx_model_info
 from tuneport.convert.safetensors_file import SafetensorsFile
 from tuneport.convert.tensors import TensorMeta
 
 # -- artifacts ------------------------------------------------------------------------------------
-FORMATS = ("gguf", "hf", "awq", "compressed-tensors", "gptq", "exl3")
+FORMATS = ("gguf", "hf", "awq", "compressed-tensors", "gptq", "exl3", "mlx")
 # config.json quantization_config.quant_method -> format; no quantization_config -> "hf"
 QUANT_METHODS = {"awq": "awq", "compressed-tensors": "compressed-tensors", "gptq": "gptq", "exl3": "exl3"}
 # ExLlamaV3's converter writes quant_method "exl3" into config.json and a quantization_config.json next
@@ -127,8 +129,18 @@ def _exl3(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
     return (t.shape[0] * 16, t.shape[1] * 16) if t else _plain(ckpt, m)
 
 
+def _mlx(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
+    """mlx-lm quantization packs ``bits``-bit values into uint32 words along the input (``.scales`` beside)."""
+    w = _meta(ckpt, f"{m}.weight")
+    if w is None or len(w.shape) != 2 or _meta(ckpt, f"{m}.scales") is None:
+        return _plain(ckpt, m)
+    quant = ckpt.config.get("quantization") or {}
+    bits = int((quant.get(m) if isinstance(quant.get(m), dict) else quant).get("bits", 4))
+    return (w.shape[1] * 32 // bits, w.shape[0])
+
+
 SHAPE_READERS: dict[str, ShapeReader] = {
-    "hf": _plain, "awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed, "exl3": _exl3,
+    "hf": _plain, "awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed, "exl3": _exl3, "mlx": _mlx,
 }
 
 
@@ -154,9 +166,9 @@ def _hf_lora_shapes(ckpt: Checkpoint, arch: ArchSpec | None, fmt: str, vocab: in
     return per_layer, once
 
 
-def _describe_hf(path: Path) -> ArtifactInfo:
+def _describe_hf(path: Path, fmt: str | None = None) -> ArtifactInfo:
     ckpt = Checkpoint(path)
-    fmt = _hf_format(ckpt)
+    fmt = fmt or _hf_format(ckpt)
     cfg = _text_config(ckpt.config)
     n_heads = int(cfg.get("num_attention_heads") or 0)
     hidden = int(cfg.get("hidden_size") or 0)
@@ -244,6 +256,8 @@ def artifact_format(path: str | Path) -> str:
     p = Path(path).expanduser()
     if p.suffix == ".gguf" and p.is_file():
         return "gguf"
+    if mlx_model_info(p) is not None:
+        return "mlx"
     if p.is_dir():
         return _hf_format(Checkpoint(p))
     raise _not_a_model(p)
@@ -255,15 +269,18 @@ def describe_artifact(path: str | Path) -> ArtifactInfo:
     if p.is_file() and p.suffix == ".gguf":
         return _describe_gguf(p)
     if p.is_dir():
-        return _describe_hf(p)
+        return _describe_hf(p, "mlx" if mlx_model_info(p) is not None else None)
     raise _not_a_model(p)
 
 
 def adapter_nbytes(path: str | Path, engine: str, dtype_bytes: int = 2) -> int:
     """What one adapter occupies once ``engine`` has it. A GGUF LoRA: its file. A PEFT dir: its elements ×
-    4 for llama.cpp (tuneport converts PEFT to an F32 GGUF LoRA: 2× a bf16 file, 1× an fp32 one), ×
-    ``dtype_bytes`` for vLLM (it casts adapters to the model dtype)."""
+    4 for llama.cpp (tuneport converts PEFT to an F32 GGUF LoRA: 2× a bf16 file, 1× an fp32 one) and MLX
+    (fp32 LoRA matrices, as mlx-lm keeps them), × ``dtype_bytes`` for vLLM (it casts adapters to the model
+    dtype). An mlx-lm adapter dir: its elements × 4."""
     p = Path(path)
+    if p.is_dir() and (p / ADAPTER_WEIGHTS).exists():
+        return 4 * sum(t.numel for t in SafetensorsFile(p / ADAPTER_WEIGHTS).tensors.values())
     if p.is_dir() and not (p / "adapter_config.json").exists():
         ggufs = sorted(p.glob("*.gguf"))
         p = ggufs[0] if len(ggufs) == 1 else p
@@ -273,6 +290,6 @@ def adapter_nbytes(path: str | Path, engine: str, dtype_bytes: int = 2) -> int:
     if not st.exists():
         raise UserError(f"{p} holds no adapter_model.safetensors or single .gguf", "pass a PEFT dir or a GGUF LoRA")
     numel = sum(t.numel for t in SafetensorsFile(st).tensors.values())
-    return numel * (4 if engine == "llamacpp" else dtype_bytes)
+    return numel * (4 if engine in ("llamacpp", "mlx") else dtype_bytes)
 
 

@@ -28,10 +28,11 @@ class EngineDecision:
 MANY_REQUESTS = 4  # concurrency from which a GPU server's batching pays off
 MANY_ADAPTERS = 2  # adapters from which multi-LoRA batching matters
 GPU = ("cuda", "rocm")
-ANY_ACCEL = ("cuda", "rocm", "none")
+APPLE = ("metal",)  # Apple Silicon
+ANY_ACCEL = ("cuda", "rocm", "metal", "none")
 QUANTIZED = ("awq", "compressed-tensors", "gptq")
 FORMAT_LABELS = {"gguf": "GGUF", "hf": "HF safetensors", "awq": "AWQ", "compressed-tensors": "compressed-tensors",
-                 "gptq": "GPTQ", "exl3": "EXL3"}
+                 "gptq": "GPTQ", "exl3": "EXL3", "mlx": "MLX"}
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,20 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule("gguf", ("gguf",), ANY_ACCEL, "any", "llamacpp", "GGUF is llama.cpp's own format"),
+    Rule("mlx", ("mlx",), ANY_ACCEL, "any", "mlx", "an MLX directory runs on MLX LM (the Apple Silicon GPU, or "
+         "mlx's CPU build elsewhere)"),
     Rule("exl3", ("exl3",), ANY_ACCEL, "any", None,
          "EXL3 weights run only on ExLlamaV3 (CUDA GPUs), which this version of tuneport does not serve",
          hint="serve the EXL3 directory with TabbyAPI, or export GGUF (tuneport export --target gguf) or "
               "HF safetensors from the unquantized model"),
+    Rule("hf-apple", ("hf",), APPLE, "any", "mlx",
+         "Apple Silicon: MLX LM runs it on the GPU (converted once to MLX), requests for every adapter batched "
+         "over one base"),
+    Rule("hf-apple-no-mlx", ("hf",), APPLE, "any", "llamacpp",
+         "Apple Silicon without MLX LM installed: llama.cpp serves it (converted once to F16 GGUF)", missing="mlx"),
+    Rule("quantized-apple", QUANTIZED, APPLE, "any", None,
+         "{fmt} checkpoints load only in vLLM, which does not serve them on Apple Silicon",
+         hint="export MLX (tuneport export --target mlx --quant q4) or GGUF from the unquantized model"),
     Rule("quantized-gpu", QUANTIZED, GPU, "any", "vllm",
          "only vLLM loads {fmt} checkpoints, and it batches requests and adapters on the GPU"),
     Rule("hf-gpu-busy", ("hf",), GPU, "busy", "vllm",

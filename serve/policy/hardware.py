@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ MIB = 1 << 20
 # -- hardware -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hardware:
-    accelerator: str  # "cuda" | "rocm" | "none"
+    accelerator: str  # "cuda" | "rocm" | "metal" (Apple Silicon) | "none"
     n_gpus: int = 0
-    gpu_memory_bytes: int = 0  # per GPU (the smallest one when they differ)
+    gpu_memory_bytes: int = 0  # per GPU (the smallest one when they differ; Apple Silicon: unified memory)
     ram_bytes: int = 0
 
     @property
@@ -55,9 +56,16 @@ def _nvidia_smi_gpus() -> list[int]:
         return []
 
 
+def apple_silicon() -> bool:
+    """A Mac with an Apple Silicon chip (its GPU shares the machine's memory; MLX runs on it)."""
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
 def detect_hardware() -> Hardware:
-    """GPUs through torch (CUDA or ROCm/HIP), else nvidia-smi; never fails on a CPU-only machine."""
+    """Apple Silicon; GPUs through torch (CUDA or ROCm/HIP), else nvidia-smi; never fails on a CPU-only machine."""
     ram = _ram_bytes()
+    if apple_silicon():
+        return Hardware("metal", 1, ram, ram)
     try:
         import torch
     except ImportError:

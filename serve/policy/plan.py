@@ -124,6 +124,35 @@ def plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
     return MemoryPlan("llamacpp", weights, kv, adapters, weights + kv + adapters, 0, None, formula)
 
 
+MLX_KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens per request
+MLX_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # tuneport --dtype -> bytes of the converted base
+
+
+def plan_mlx(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+    if a.format == "mlx":
+        weights, db = a.weight_bytes, a.dtype_bytes
+        w_how = f"{_n(weights)} bytes of MLX tensors as stored"
+    elif a.format == "hf":
+        dtype = o["dtype"] or "auto"
+        db = MLX_DTYPE_BYTES.get(dtype, a.dtype_bytes)
+        weights = a.params * db
+        how = f"--dtype {dtype}" if dtype != "auto" else "--dtype auto: the checkpoint's dtype"
+        w_how = f"MLX conversion: {_n(a.params)} params × {db} bytes ({how}) = {_n(weights)}"
+    else:
+        raise UserError(f"MLX LM cannot load {FORMAT_LABELS.get(a.format, a.format)} weights",
+                        "serve it with vLLM, or export MLX from the unquantized model (tuneport export --target mlx)")
+    kvb = o["kv_bytes_per_elem"] or db
+    per_request = math.ceil(load.context_len / MLX_KV_STEP) * MLX_KV_STEP
+    kv, kv_how = _kv(a, per_request * load.concurrency, kvb,
+                     f"{load.concurrency} requests × n_ctx {load.context_len} rounded up to {MLX_KV_STEP}")
+    adapters = sum(o["adapter_bytes"])
+    formula = {"weights": w_how, "kv_cache": kv_how + "; allocated as requests grow, freed when they end",
+               "adapters": f"Σ {len(o['adapter_bytes'])} adapters' LoRA matrices in fp32 = {_n(adapters)} (plus the "
+                           "zero padding of smaller ranks to the largest rank of each module)",
+               "total": "weights + kv_cache + adapters in unified memory (Apple Silicon) or RAM"}
+    return MemoryPlan("mlx", weights, kv, adapters, weights + kv + adapters, 0, None, formula)
+
+
 def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter_bytes: Sequence[int] = (),
                 max_lora_rank: int = 16, adapter_slots: int | None = None, kv_bytes_per_elem: int | None = None,
                 workers: int = 2, seqs_per_context: int = LLAMACPP_SEQS_PER_CONTEXT, dtype: str | None = None,
@@ -132,8 +161,9 @@ def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter
 
     ``adapter_bytes``: each adapter as the engine holds it (``adapter_nbytes``); ``adapter_slots``:
     vLLM's --max-loras (default: min(adapters, concurrency), at least 1); ``kv_bytes_per_elem``: default
-    the model dtype for vLLM, 2 (F16) for llama.cpp; ``workers``: llama.cpp contexts; ``dtype``: vLLM's
-    --dtype (vLLM's names), or tuneport's --dtype for llama.cpp (the GGUF an HF base is converted to)."""
+    the model dtype for vLLM and MLX, 2 (F16) for llama.cpp; ``workers``: llama.cpp contexts; ``dtype``:
+    vLLM's --dtype (vLLM's names), or tuneport's --dtype for llama.cpp and MLX (what an HF base is
+    converted to)."""
     spec = engine_spec(engine)
     slots = adapter_slots or max(1, min(load.n_adapters, load.concurrency))
     opts = dict(adapter_bytes=list(adapter_bytes), max_lora_rank=max_lora_rank, adapter_slots=slots,
