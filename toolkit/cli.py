@@ -155,10 +155,10 @@ def export(
 @app.command(context_settings={"allow_extra_args": True})
 def serve(
     ctx: typer.Context,
-    base: Annotated[str, typer.Option("--base", help="GGUF file, HF model dir or hub id (vLLM serves it as is; "
-                                      "llama.cpp converts it once to GGUF)")],
-    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="NAME=PATH: PEFT dir, GGUF LoRA or "
-                                                      "hub id; repeatable")] = None,
+    base: Annotated[str, typer.Option("--base", help="GGUF file, HF model dir, MLX dir or hub id (vLLM serves it "
+                                      "as is; llama.cpp converts it once to GGUF, MLX to MLX)")],
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="NAME=PATH: PEFT dir, GGUF LoRA, mlx-lm "
+                                                      "adapter dir or hub id; repeatable")] = None,
     adapter_dir: Annotated[Path | None, typer.Option("--adapter-dir", help="Load DIR/<name> on demand")] = None,
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto picks from format, hardware, load")] = "auto",
     max_adapters: Annotated[int, typer.Option("--max-adapters", help="Adapters loaded at once")] = 8,
@@ -169,8 +169,8 @@ def serve(
     concurrency: Annotated[int, typer.Option("--concurrency", help="Expected simultaneous requests "
                                              "(engine choice and memory plan)")] = 8,
     dtype: Annotated[DType, typer.Option("--dtype", help="vLLM: model dtype; llama.cpp: the GGUF an HF base is "
-                                         "converted to (auto: F16)")] = "auto",
-    n_ctx: Annotated[int, typer.Option("--n-ctx", help="llama.cpp: context length per sequence")] = 2048,
+                                         "converted to (auto: F16); MLX: the MLX model it is converted to")] = "auto",
+    n_ctx: Annotated[int, typer.Option("--n-ctx", help="llama.cpp, MLX: context length per sequence")] = 2048,
     workers: Annotated[int, typer.Option("--workers", help="llama.cpp: parallel contexts")] = 2,
     kv_f32: Annotated[bool, typer.Option("--kv-f32", help="llama.cpp: F32 KV cache (fp32 parity, 2x memory)")] = False,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="vLLM: context length")] = None,
@@ -190,7 +190,7 @@ def serve(
     gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica", help="--dry-run: GPUs each")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="--dry-run: one JSON object")] = False,
 ) -> None:
-    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp or vLLM).
+    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp, vLLM or MLX).
 
     Flags after `--` go to vLLM as they are (e.g. `-- --gpu-memory-utilization 0.85`)."""
     from tuneport.serve.options import ServeOptions
