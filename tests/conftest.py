@@ -65,6 +65,10 @@ def cli():
     return run_cli
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mlx: runs mlx-lm in this process (mlx[cpu] on Linux)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords or "llamacpp" in item.keywords:

@@ -33,7 +33,7 @@ def test_help_lists_only_what_works(cli):
     code, out, _ = cli("export", "--help")
     assert code == 0 and all(t in out for t in ("safetensors", "gguf", "awq", "mlx")) and "exl3" not in out
     code, out, _ = cli("serve", "--help")
-    assert code == 0 and "llamacpp" in out and "exllamav3" not in out
+    assert code == 0 and "llamacpp" in out and "mlx" in out and "exllamav3" not in out
 
 
 def test_serve_bad_input_exits_2(tmp_path, cli):
@@ -73,6 +73,10 @@ def test_serve_options_of_the_other_engine_are_refused(zoo, cli):
     assert code == 2 and "--max-lora-rank: only --engine vllm honours it" in err
     code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "vllm", "--kv-f32", "--dry-run")
     assert code == 2 and "--kv-f32: only --engine llamacpp honours it" in err
+    code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "vllm", "--n-ctx", "64", "--dry-run")
+    assert code == 2 and "--n-ctx: only --engine llamacpp or mlx honours it" in err
+    code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "mlx", "--max-loras", "2", "--dry-run")
+    assert code == 2 and "--max-loras: only --engine vllm honours it, this server runs mlx" in err
 
 
 def test_hub_ids_are_accepted_everywhere(zoo, tmp_path, cli, monkeypatch):

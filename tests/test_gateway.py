@@ -1,7 +1,7 @@
-"""The OpenAI-compatible gateway over both real backends (llama.cpp and vLLM), started through the public
+"""The OpenAI-compatible gateway over every real backend (llama.cpp, vLLM, MLX), started through the public
 API (``tuneport.serve``) and used through HTTP only: the gateway knows nothing but the Backend contract, so
-every test here runs unchanged on each engine. Engine-specific checks live in test_serve_llamacpp.py and
-test_serve_vllm.py."""
+every test here runs unchanged on each engine. Engine-specific checks live in test_serve_llamacpp.py,
+test_serve_vllm.py and test_serve_mlx.py."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import pytest
 import tuneport
 
 KEY = "sekret-key"
-BACKENDS = [pytest.param("llamacpp", marks=pytest.mark.llamacpp), pytest.param("vllm", marks=pytest.mark.vllm)]
+BACKENDS = [pytest.param("llamacpp", marks=pytest.mark.llamacpp), pytest.param("vllm", marks=pytest.mark.vllm),
+            pytest.param("mlx", marks=pytest.mark.mlx)]
 ENGINE_OPTIONS = {
     "llamacpp": dict(n_ctx=128, workers=2, kv_f32=True),
     "vllm": dict(dtype="fp32", max_model_len=256, vllm_args=["--enforce-eager", "--max-num-seqs", "8"]),
+    "mlx": dict(n_ctx=128),
 }
 BASE = "llama-fp32"  # the served name of zoo.base("llama")
 

