@@ -41,9 +41,24 @@ def test_good_recipe_and_its_gates():
     assert r.gates.for_artifact("q4_0")[0] == "kl<=0.5" and r.gates.for_artifact(None)[0] == "kl<=0.5"
 
 
+def test_mlx_target_options():
+    r = parse_recipe(GOOD.replace("{type: vllm}", "{type: mlx, quant: q4, group_size: 32, adapters: separate}")
+                     .replace("{type: safetensors, dtype: bf16}", "{type: mlx, quant: none, dtype: bf16}"))
+    q4, plain = r.targets[1], r.targets[2]
+    assert (q4.type, q4.quant, q4.group_size, q4.adapters, q4.dtype) == ("mlx", "q4", 32, "separate", "auto")
+    assert (plain.quant, plain.group_size, plain.adapters, plain.dtype) == (None, None, "merge", "bf16")
+
+
 @pytest.mark.parametrize(("change", "says"), [
     (("q4_0]", "q9_k]"), "targets[0].quant: 'q9_k' is not a GGUF type"),
-    (("type: vllm", "type: mlx"), "targets[1]: type 'mlx' is not a target (allowed: gguf, vllm, safetensors, awq)"),
+    (("type: vllm", "type: exl3"),
+     "targets[1]: type 'exl3' is not a target (allowed: gguf, vllm, safetensors, awq, mlx)"),
+    (("{type: vllm}", "{type: mlx, quant: q9}"), "targets[1].quant: Input should be 'q2', 'q3', 'q4'"),
+    (("{type: vllm}", "{type: mlx, group_size: 32}"), "targets[1]: group_size applies with a quant type"),
+    (("{type: vllm}", "{type: mlx, quant: mxfp4, group_size: 64}"),
+     "targets[1]: group_size 64: mxfp4 always uses groups of 32: drop group_size"),
+    (("{type: vllm}", "{type: mlx, quant: q4, group_size: 48}"),
+     "targets[1].group_size: Input should be 32, 64 or 128"),
     (("version: 0.1.0\n", ""), "version: missing key"),
     (("tag: v0.1.0", "tga: v0.1.0"), "publish.tga: unknown key"),
     (("adapters: separate", "adapters: both"), "targets[0].adapters: Input should be 'merge' or 'separate'"),

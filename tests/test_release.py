@@ -220,3 +220,59 @@ def test_awq_target_is_released_verified_in_vllm_and_gated(inputs, tmp_path):
     cfg = json.loads((tmp_path / "out" / "artifacts" / "awq-merge" / "config.json").read_text())
     assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 64
     assert f"{awq['metrics']['kl']:.2e}" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_mlx_targets_are_released_verified_in_mlx_lm_and_gated(zoo, tmp_path, cli):
+    """A q4 merge and an unquantized base + mlx-lm adapters (one with rank and alpha patterns): exported, run in
+    mlx-lm against the fine-tune (tuneport's fp32 merge of both; base + each PEFT adapter), gated; a strict gate
+    fails with exit 3."""
+    from tuneport.toolkit.release import release
+
+    base = zoo.base("llama")
+    adapters = {"chat": zoo.adapter("llama", "plain"), "style": zoo.adapter("llama", "patterns")}
+    targets = """
+  - {type: mlx, quant: q4, adapters: merge}
+  - {type: mlx, adapters: separate}"""
+    recipe = write_recipe(tmp_path / "recipe.yaml", base, adapters, gates="{kl: {default: 0.5}, strength_error: 0.01}",
+                          targets=targets)
+    summary = release(recipe=recipe, out=tmp_path / "out")
+    out = tmp_path / "out"
+    manifest = json.loads((out / "manifest.json").read_text())
+    arts = {(a["target"], a["adapter"]): a for a in manifest["artifacts"]}
+    assert summary["passed"] and set(arts) == {("mlx-merge", None), ("mlx-separate", None),
+                                               ("mlx-separate", "chat"), ("mlx-separate", "style")}
+    assert all(a["engine"] == "mlx-lm" and a["passed"] and "kl<=0.5" in [g["gate"] for g in a["gates"]]
+               for a in arts.values())
+    assert 0 < arts["mlx-merge", None]["metrics"]["kl"] < 0.5  # 4-bit against the fp32 merge of both adapters
+    assert arts["mlx-separate", None]["metrics"]["kl"] < 1e-6
+    for name in ("chat", "style"):
+        a = arts["mlx-separate", name]
+        assert a["lora"] == f"artifacts/mlx-separate/adapters/{name}" and a["metrics"]["kl"] < 1e-6
+        assert abs(a["metrics"]["strength"] - 1) < 1e-3
+    cfg = json.loads((out / "artifacts" / "mlx-merge" / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["library_name"] == "mlx" and "mlx" in front["tags"]
+    assert "python -m mlx_lm generate --model artifacts/mlx-separate --adapter-path " in card
+    assert "artifacts/mlx-merge/serve-mlx.sh" in card
+
+    strict = write_recipe(tmp_path / "strict.yaml", base, adapters, gates="{kl: 1.0e-9}", targets="""
+  - {type: mlx, quant: q4}""")
+    code, _, err = cli("release", strict, "--out", tmp_path / "strict-out")
+    assert code == 3 and "gates failed, nothing published: artifacts/mlx-merge: kl" in err
+
+
+def test_a_target_the_base_or_machine_cannot_make_fails_before_any_export(zoo, tmp_path, cli, monkeypatch):
+    from tuneport.convert.errors import UserError
+    from tuneport.convert.mlx import INSTALL_HINT
+
+    def no_mlx():
+        raise UserError("--target mlx needs mlx and mlx-lm (mlx is not installed)", INSTALL_HINT)
+
+    monkeypatch.setattr("tuneport.convert.mlx.export.require_mlx", no_mlx)
+    recipe = write_recipe(tmp_path / "r.yaml", zoo.base("llama"), {"chat": zoo.adapter("llama", "plain")},
+                          targets=GGUF_ONLY + "\n  - {type: mlx, quant: q4}")
+    code, _, err = cli("release", recipe, "--out", tmp_path / "out")
+    assert code == 2 and err == f"error: --target mlx needs mlx and mlx-lm (mlx is not installed): {INSTALL_HINT}\n"
+    assert not (tmp_path / "out" / "artifacts").exists()

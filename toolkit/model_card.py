@@ -15,7 +15,7 @@ def _front_matter(recipe: Recipe, artifacts: list[dict]) -> str:
 
     kinds = sorted({a["target"].split("-")[0] for a in artifacts})
     meta = {"base_model": recipe.base.path if "/" in recipe.base.path and not recipe.base.path.startswith((".", "/"))
-            else None, "library_name": "gguf" if "gguf" in kinds else "transformers",
+            else None, "library_name": "gguf" if "gguf" in kinds else "mlx" if kinds == ["mlx"] else "transformers",
             "license": recipe.license, "tags": ["tuneport", "lora", *kinds]}
     return "---\n" + yaml.safe_dump({k: v for k, v in meta.items() if v is not None}, sort_keys=False) + "---\n"
 
@@ -42,6 +42,11 @@ def _usage(out: Path, artifacts: list[dict]) -> list[str]:
                   "```"]
     for target in dict.fromkeys(a["target"] for a in artifacts if a["target"].startswith("vllm")):
         lines += ["vLLM:", "```bash", f"artifacts/{target}/serve-vllm.sh --port 8000", "```"]
+    for target in dict.fromkeys(a["target"] for a in artifacts if a["target"].startswith("mlx")):
+        lora = next((a["lora"] for a in artifacts if a["target"] == target and a["lora"]), None)
+        lines += ["MLX (mlx-lm):", "```bash", f"python -m mlx_lm generate --model artifacts/{target}"
+                  + (f" --adapter-path {lora}" if lora else "") + " --prompt 'Hello'",
+                  f"artifacts/{target}/serve-mlx.sh --port 8080", "```"]
     return lines
 
 
@@ -67,7 +72,7 @@ def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
         "## Fidelity",
         "",
         "Each artifact ran in its own engine (GGUF files in llama.cpp with an F32 KV cache; the vLLM bundle and "
-        "merged models in vLLM, fp32) against the fine-tune in transformers + PEFT (fp32), "
+        "merged models in vLLM, fp32; MLX directories in mlx-lm) against the fine-tune in transformers + PEFT (fp32), "
         f"on {max((a.get('tokens') or 0 for a in artifacts), default=recipe.eval.tokens)} tokens of evaluation "
         "text; tokenizer, chat template and special tokens were "
         "checked against the HF tokenizer.",

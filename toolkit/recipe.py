@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tuneport.convert.awq import FORMAT_NAMES, GROUP_SIZES
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.quant_types import QUANT_TYPES
+from tuneport.convert.mlx import GROUP_SIZES as MLX_GROUP_SIZES
+from tuneport.convert.mlx import QUANT_NAMES as MLX_QUANTS
 from tuneport.convert.options import ADAPTER_MODES, DTYPES
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -85,8 +87,36 @@ class AWQTarget(_Strict):
     calib_seqlen: Annotated[int, Field(ge=2)] | None = None
 
 
-Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget | AWQTarget, Field(discriminator="type")]
-TARGET_TYPES = ("gguf", "vllm", "safetensors", "awq")
+class MlxTarget(_Strict):
+    type: Literal["mlx"]
+    adapters: Literal[ADAPTER_MODES] = "merge"  # type: ignore[valid-type]
+    quant: Literal[MLX_QUANTS] | None = None  # type: ignore[valid-type]  # none: unquantized
+    group_size: Literal[MLX_GROUP_SIZES] | None = None  # type: ignore[valid-type]  # default: mlx-lm's
+    dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
+
+    @field_validator("quant", mode="before")
+    @classmethod
+    def _none(cls, quant):
+        return None if quant == "none" else quant
+
+    @model_validator(mode="after")
+    def _group_fits(self) -> MlxTarget:
+        """The exporter's own rules for --quant and --group-size, checked before any target runs."""
+        from tuneport.convert.mlx.quant import group_size_for, quant_type
+
+        if self.quant is None:
+            if self.group_size is not None:
+                raise ValueError("group_size applies with a quant type")
+            return self
+        try:
+            group_size_for(quant_type(self.quant), self.group_size)
+        except UserError as e:
+            raise ValueError(e.line().replace("--group-size", "group_size")) from None
+        return self
+
+
+Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget | AWQTarget | MlxTarget, Field(discriminator="type")]
+TARGET_TYPES = ("gguf", "vllm", "safetensors", "awq", "mlx")
 
 
 class EvalSpec(_Strict):

@@ -1,6 +1,6 @@
 """``tuneport release RECIPE.yaml``: every target of a recipe exported, every artifact verified in its own
-engine (llama.cpp, vLLM) against the fine-tune, the recipe's gates applied, and one release directory written: the
-artifacts, ``manifest.json``, a ``README.md`` model card and the recipe. Nothing is published when a gate
+engine (llama.cpp, vLLM, mlx-lm) against the fine-tune, the recipe's gates applied, and one release directory
+written: the artifacts, ``manifest.json``, a ``README.md`` model card and the recipe. Nothing is published when a gate
 fails (exit 3). A rerun skips targets whose recorded outputs still match their sha256."""
 
 from __future__ import annotations
@@ -10,20 +10,22 @@ import json
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from tuneport.convert import __version__
 from tuneport.convert.adapter import resolve_adapter_path
 from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_model_path
 from tuneport.convert.errors import FidelityError, UserError
-from tuneport.convert.export import export, merge
+from tuneport.convert.export import check_base, export, merge
 from tuneport.convert.io import content_digest, sha256_file
 from tuneport.convert.options import coerce_options
 
 from .progress import stdout
-from .recipe import GGUFTarget, Recipe, load_recipe, resolve_local
+from .recipe import TARGET_TYPES, AWQTarget, GGUFTarget, Recipe, load_recipe, resolve_local
 
 console = stdout
 STATE = "release-state.json"  # per target: its spec and inputs, to skip it on a rerun
@@ -78,9 +80,12 @@ class Release:
         self.eval_file = Path(resolve_local(self.recipe_path, r.eval.file)) if r.eval.file else None
         if self.eval_file is not None and not self.eval_file.is_file():
             raise UserError(f"eval.file {r.eval.file} does not exist", "give a UTF-8 text file beside the recipe")
+        base = Checkpoint(self.base)
+        for kind in dict.fromkeys(t.type for t in r.targets):  # what a target needs from the base (and installed,
+            check_base(base, kind)  # e.g. mlx) fails before the first export
         self.inputs = {"tuneport": __version__,
                        "base": {"spec": r.base.path, "revision": r.base.revision,
-                                "files": {**checkpoint_sha256(Checkpoint(self.base)), **_side_files(self.base)}},
+                                "files": {**checkpoint_sha256(base), **_side_files(self.base)}},
                        "adapters": {n: {"spec": a.path, "weight": a.weight, "digest": content_digest(self.adapters[n])}
                                     for n, a in zip(self.adapters, r.adapters, strict=True)}}
 
@@ -128,18 +133,7 @@ class Release:
         adapters = [f"{n}={p}" + (f":{a.weight:g}" if mode == "merge" else "")
                     for (n, p), a in zip(self.adapters.items(), self.recipe.adapters, strict=True)]
         fields = {"base": self.base, "adapters": adapters, "target": target.type, "out": target_dir, "force": True}
-        if target.type == "gguf":
-            fields.update(adapter_mode=mode, quant=",".join(target.quant), name=self.recipe.name)
-        elif target.type == "vllm":
-            fields.update(adapter_mode=mode, max_lora_rank=target.max_lora_rank)
-        elif target.type == "safetensors":
-            fields.update(dtype=target.dtype)
-        elif target.type == "awq":
-            calib = resolve_local(self.recipe_path, target.calib) if target.calib else None
-            fields.update(adapter_mode=mode, quant_format=target.format, group_size=target.group_size,
-                          dtype=target.dtype, symmetric=target.symmetric, ignore=target.ignore, calib=calib,
-                          calib_samples=target.calib_samples, calib_seqlen=target.calib_seqlen)
-        return fields
+        return {**fields, **TARGET_FIELDS[target.type](self, target)}
 
     # -- verification --------------------------------------------------------------------------------
     def _merged_reference(self) -> tuple[Path, str | None]:
@@ -160,7 +154,8 @@ class Release:
 
     def _runs(self, target, tdir: Path, details: dict) -> list[tuple[str | None, Path, str | None, Path | None]]:
         """(quant, artifact, adapter name, LoRA) for each verify run of a target: every model file alone and
-        with each of its LoRAs (GGUF LoRA files; PEFT directories in a vLLM bundle)."""
+        with each of its LoRAs (GGUF LoRA files; PEFT directories in a vLLM bundle; mlx-lm adapters beside an
+        MLX model: both under ``adapters/<name>``)."""
         if isinstance(target, GGUFTarget):
             return [(quant, tdir / rel, name, lora) for quant, rel in details["models"].items()
                     for name, lora in [(None, None), *((n, tdir / r) for n, r in details.get("loras", {}).items())]]
@@ -250,6 +245,24 @@ class Release:
 
             summary["publish"] = publish(self.out, self.recipe.publish, dry_run=self.opts.dry_run)
         return summary
+
+
+def _awq_fields(release: Release, t: AWQTarget) -> dict:
+    calib = resolve_local(release.recipe_path, t.calib) if t.calib else None
+    return {"adapter_mode": t.adapters, "quant_format": t.format, "group_size": t.group_size, "dtype": t.dtype,
+            "symmetric": t.symmetric, "ignore": t.ignore, "calib": calib, "calib_samples": t.calib_samples,
+            "calib_seqlen": t.calib_seqlen}
+
+
+# What each recipe target type passes to export() besides base, adapters, target and out.
+TARGET_FIELDS: dict[str, Callable[[Release, Any], dict]] = {
+    "gguf": lambda r, t: {"adapter_mode": t.adapters, "quant": ",".join(t.quant), "name": r.recipe.name},
+    "vllm": lambda r, t: {"adapter_mode": t.adapters, "max_lora_rank": t.max_lora_rank},
+    "safetensors": lambda r, t: {"dtype": t.dtype},
+    "awq": _awq_fields,
+    "mlx": lambda r, t: {"adapter_mode": t.adapters, "quant": t.quant, "group_size": t.group_size, "dtype": t.dtype},
+}
+assert set(TARGET_FIELDS) == set(TARGET_TYPES)
 
 
 def _side_files(model_dir: Path) -> dict[str, str]:
