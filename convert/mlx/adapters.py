@@ -167,7 +167,12 @@ def read_mlx_adapter(path: Path) -> dict:
     cfg_path = path / ADAPTER_CONFIG
     if not (path / ADAPTER_WEIGHTS).exists() or not cfg_path.exists():
         raise UserError(f"{path} is not an mlx-lm adapter", f"it needs {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{cfg_path} is not readable JSON ({e})", "re-save the adapter") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path} is not a JSON object", "re-save the adapter")
     if "lora_parameters" not in cfg and cfg.get("fine_tune_type", "lora") != "full":
         raise UserError(f"{cfg_path} has no lora_parameters", "it is not an mlx-lm adapter config")
     return cfg

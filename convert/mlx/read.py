@@ -52,8 +52,8 @@ def mlx_model_info(path: Path) -> dict | None:
     per_module = {k: v for k, v in quant.items() if isinstance(v, dict)}
     top = {k: quant.get(k) for k in ("mode", "bits", "group_size")}
     top["mode"] = top["mode"] or "affine"
-    return {"quantization": top, "per_module": len(per_module),
-            "bits_used": sorted({v.get("bits") for v in per_module.values()} | {top["bits"]})}
+    used = {v.get("bits") for v in per_module.values()} if per_module else {top["bits"]}  # mixed: per module
+    return {"quantization": top, "per_module": len(per_module), "bits_used": sorted(used)}
 
 
 def _bad_mlx(path: Path, what: str) -> UserError:
