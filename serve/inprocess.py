@@ -27,6 +27,22 @@ from .http import SSE_DONE, sse
 class InProcessBackend(Backend):
     """A backend over an in-process token engine; subclasses implement the four engine hooks below."""
 
+    @classmethod
+    def start(cls, opts, **engine_options) -> InProcessBackend:
+        """The backend for ``opts`` (base, pool) with ``engine_options``, its start-up adapters loaded; closed
+        again if one of them fails."""
+        from tuneport.convert.adapter import resolve_adapter_path
+
+        startup = opts.startup_adapters(must_fit=opts.pin)
+        backend = cls(opts.base, max_adapters=opts.max_adapters, adapter_dir=opts.adapter_dir, **engine_options)
+        try:
+            for name, path in startup.items():
+                backend.pool.add(name, resolve_adapter_path(path), pinned=opts.pin, trusted=True)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
     # -- engine hooks -------------------------------------------------------------------------------
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:

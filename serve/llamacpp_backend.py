@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from tuneport.convert.adapter import load_adapter, resolve_adapter_path
+from tuneport.convert.adapter import load_adapter
 from tuneport.convert.arch import arch_for
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
@@ -58,16 +58,7 @@ class LlamaCppBackend(InProcessBackend):
 
     @classmethod
     def from_options(cls, opts) -> LlamaCppBackend:
-        startup = opts.startup_adapters(must_fit=opts.pin)
-        backend = cls(opts.base, max_adapters=opts.max_adapters, adapter_dir=opts.adapter_dir, n_ctx=opts.n_ctx,
-                      workers=opts.workers, kv_f32=opts.kv_f32, dtype=opts.dtype)
-        try:
-            for name, path in startup.items():
-                backend.pool.add(name, resolve_adapter_path(path), pinned=opts.pin, trusted=True)
-        except BaseException:
-            backend.close()
-            raise
-        return backend
+        return cls.start(opts, n_ctx=opts.n_ctx, workers=opts.workers, kv_f32=opts.kv_f32, dtype=opts.dtype)
 
     @staticmethod
     def _cached_gguf(hf_dir: Path, quant: str) -> Path:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from tuneport.convert.adapter import load_adapter, resolve_adapter_path
+from tuneport.convert.adapter import load_adapter
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import export
@@ -67,16 +67,7 @@ class MlxBackend(InProcessBackend):
 
     @classmethod
     def from_options(cls, opts) -> MlxBackend:
-        startup = opts.startup_adapters(must_fit=opts.pin)
-        backend = cls(opts.base, max_adapters=opts.max_adapters, adapter_dir=opts.adapter_dir, n_ctx=opts.n_ctx,
-                      dtype=opts.dtype)
-        try:
-            for name, path in startup.items():
-                backend.pool.add(name, resolve_adapter_path(path), pinned=opts.pin, trusted=True)
-        except BaseException:
-            backend.close()
-            raise
-        return backend
+        return cls.start(opts, n_ctx=opts.n_ctx, dtype=opts.dtype)
 
     # -- adapters ------------------------------------------------------------------------------------
     def attach_adapter(self, name: str, path: Path) -> int:

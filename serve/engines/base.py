@@ -7,6 +7,7 @@ ids one at a time; text, stop strings and the OpenAI answer are built over it by
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +27,31 @@ class GenerationRequest:
     seed: int | None = None
     stop_tokens: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside an engine: the engine thread puts its tokens on ``out`` (then None, or an exception
+    for the caller), and drops it at its next step once ``cancelled``."""
+
+    req: GenerationRequest
+    out: queue.Queue = field(default_factory=queue.Queue)
+    last: int = 0  # the token to feed next
+    n_out: int = 0
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.req.seed)
+
+    def tokens(self) -> Iterator[int]:
+        """The caller's side: tokens as the engine produces them; closing it cancels the request."""
+        try:
+            while (item := self.out.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancelled = True
 
 
 class TokenEngine(Protocol):

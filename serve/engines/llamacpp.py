@@ -13,10 +13,9 @@ import contextlib
 import ctypes
 import itertools
 import os
-import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,26 +24,18 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, tensor_shapes
 from tuneport.convert.gguf.runtime import llamacpp_logging
 
-from .base import GenerationRequest, sample
+from .base import GenerationRequest, Sequence, sample
 
 __all__ = ["GenerationRequest", "LlamaCppEngine"]
 
 
 @dataclass(eq=False)
-class _Seq:
-    """One request inside a worker's batch."""
+class _Seq(Sequence):
+    """One request inside a worker's batch: its adapter set, sequence id and position."""
 
-    req: GenerationRequest
-    key: tuple
-    out: queue.Queue = field(default_factory=queue.Queue)
+    key: tuple = ()
     seq_id: int = -1
     pos: int = 0
-    last: int = 0
-    n_out: int = 0
-    cancelled: bool = False
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.req.seed)
 
 
 class LlamaCppEngine:
@@ -145,22 +136,13 @@ class LlamaCppEngine:
             raise UserError(f"adapter(s) {missing} not loaded", "load them first")
         if request.max_tokens <= 0:
             return
-        seq = _Seq(request, key)
+        seq = _Seq(request, key=key)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine closed")
             self._pending.append(seq)
             self._cv.notify_all()
-        try:
-            while True:
-                item = seq.out.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            seq.cancelled = True
+        yield from seq.tokens()
 
     def _set_adapters(self, ctx, key: tuple) -> None:
         """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``ctx``."""

@@ -14,36 +14,31 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tuneport.convert.errors import UserError
 
-from .base import GenerationRequest, sample
+from .base import GenerationRequest, Sequence, sample
 
 log = logging.getLogger("tuneport.serve.mlx")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> mlx.core dtype name
+# mlx_lm.models modules whose Model.__call__ is ``self.model(inputs, cache)`` then the output projection:
+# a prompt is prefilled through the backbone alone (the cache is all prefill needs; no logits for the
+# whole prompt). Other models prefill through the whole model.
+BACKBONE_PREFILL = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3")
 
 
 @dataclass(eq=False)
-class _Seq:
-    """One request: its adapter's load id (0: the base), the token to feed next, its output queue."""
+class _Seq(Sequence):
+    """One request: its adapter's load id (0: the base)."""
 
-    req: GenerationRequest
-    gid: int
-    out: queue.Queue = field(default_factory=queue.Queue)
-    last: int = 0
-    n_out: int = 0
-    cancelled: bool = False
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.req.seed)
+    gid: int = 0
 
 
 @dataclass
@@ -98,6 +93,8 @@ class MlxEngine:
         self.targets = targets(self.model)
         self.eos = set(self.tokenizer.eos_token_ids or ())
         self.rows = Rows()
+        kind = type(self.model).__module__.rsplit(".", 1)[-1]
+        self.prefill = self.model.model if kind in BACKBONE_PREFILL else self.model
 
     def _worker(self, ready: Future, model_config: dict | None, dtype: str) -> None:
         try:
@@ -195,7 +192,7 @@ class MlxEngine:
                 self.rows.set([s.gid])
                 prompt = s.req.prompt_tokens[:-1]
                 for i in range(0, len(prompt), self.prefill_step):
-                    self.model(mx.array([prompt[i: i + self.prefill_step]]), cache=c)
+                    self.prefill(mx.array([prompt[i: i + self.prefill_step]]), cache=c)
                     mx.eval([x.state for x in c])
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 s.out.put(e)
@@ -310,20 +307,10 @@ class MlxEngine:
                 raise UserError(f"adapter(s) {missing} not loaded", "load them first")
             if self._closed:
                 raise RuntimeError("engine closed")
-            gid = next((self._loaded[n].gid for n in request.adapters), 0)
-            seq = _Seq(request, gid)
+            seq = _Seq(request, gid=next((self._loaded[n].gid for n in request.adapters), 0))
             self._pending.append(seq)
             self._cv.notify_all()
-        try:
-            while True:
-                item = seq.out.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            seq.cancelled = True
+        yield from seq.tokens()
 
     # -- state ---------------------------------------------------------------------------------------
     @staticmethod
