@@ -31,7 +31,8 @@ class Metrics:
             self.latency_sum += seconds
             self.latency_count += 1
 
-    def render(self, pool: AdapterPool) -> str:
+    def render(self, pool: AdapterPool, gauges: dict[str, int] | None = None) -> str:
+        """Prometheus text; ``gauges``: engine figures (e.g. memory bytes) as ``tuneport_<name>``."""
         with self.lock:
             c, buckets = dict(self.counters), list(self.bucket_counts)
             total, count = self.latency_sum, self.latency_count
@@ -49,4 +50,6 @@ class Metrics:
         lines.append(f"tuneport_request_latency_seconds_sum {total}")
         lines.append(f"tuneport_request_latency_seconds_count {count}")
         lines.append(f"tuneport_adapters_loaded {len(pool.names())}")
+        for name, v in sorted((gauges or {}).items()):
+            lines += [f"# TYPE tuneport_{name} gauge", f"tuneport_{name} {v}"]
         return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ adapters refused with the reason; MLX directories (quantized too) served as they
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -122,6 +123,7 @@ def test_runtime_load_unload_and_memory_is_base_plus_adapters(zoo, tmp_path, ref
     with tuneport.serve(base=zoo.base("llama"), adapter_dir=adapter_dir, engine="mlx", port=0, n_ctx=64) as server:
         c = httpx.Client(base_url=server.url, timeout=60)
         before = c.get("/health").json()
+        gc.collect()  # MLX counts every live array of this process: drop earlier tests' models first
         info = server.backend.describe()
         base_bytes, active0 = info["base_bytes"], info["mlx_active_bytes"]
         assert before["adapters"] == 0 and info["adapter_bytes"] == 0
@@ -133,12 +135,15 @@ def test_runtime_load_unload_and_memory_is_base_plus_adapters(zoo, tmp_path, ref
             assert r.status_code == 201, r.text
             assert r.json()["bytes"] == adapter_nbytes(adapter_dir / n, "mlx")
             assert ask(c, name, PROMPTS[0]) == (200, reference[(n, 0)])
+        gc.collect()
         info = server.backend.describe()
         loaded = sum(adapter_nbytes(adapter_dir / n, "mlx") for n in NAMES[1:4])
         stacks = info["adapter_bytes"]
         assert loaded <= stacks <= 3 * loaded  # zero slot 0 and rank padding on top of the adapters themselves
         grown = info["mlx_active_bytes"] - active0
         assert 0.9 * stacks <= grown <= stacks + loaded and grown < base_bytes  # not a model per adapter
+        gauges = c.get("/metrics").text
+        assert f"tuneport_adapter_bytes {stacks}\n" in gauges and f"tuneport_base_bytes {base_bytes}\n" in gauges
         assert ask(c, server.backend.name, PROMPTS[1]) == (200, reference[(None, 1)])
 
         assert c.delete("/v1/adapters/x-all_linear").status_code == 200
@@ -149,6 +154,7 @@ def test_runtime_load_unload_and_memory_is_base_plus_adapters(zoo, tmp_path, ref
         assert ask(c, "x-rslora", PROMPTS[2]) == (200, reference[("rslora", 2)])  # the others are untouched
         for name in ("x-plain", "x-rslora"):
             assert c.delete(f"/v1/adapters/{name}").status_code == 200
+        gc.collect()
         info = server.backend.describe()
         assert info["adapter_bytes"] == 0 and info["mlx_active_bytes"] <= active0 + 4096
         r = c.post("/v1/completions", json={"model": "rslora", "prompt": "x", "max_tokens": 2, "stream": True})
@@ -212,6 +218,39 @@ def test_quantized_mlx_directory_with_bundled_and_peft_adapters(zoo, tmp_path):
     bad = [(j, g) for j, g in zip(jobs, got, strict=True)
            if g != (200, want["dora" if j[0] == "peft_dora" else j[0]][j[1]])]
     assert not bad, bad[:2]
+
+
+def test_mlx_lm_embedding_lora_over_tied_embeddings_adapts_the_output_too(zoo, tmp_path):
+    """mlx-lm applies an embedding LoRA to the tied output projection as well (``as_linear``); an mlx-lm
+    adapter dir made that way answers as mlx-lm does (tuneport's PEFT converter refuses such adapters)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from tuneport.serve.mlx_backend import cached_mlx
+
+    rng = np.random.default_rng(0)
+    tensors = {"model.embed_tokens.lora_a": rng.normal(0, 0.3, (512, 4)), "model.embed_tokens.lora_b":
+               rng.normal(0, 0.3, (4, 128))}
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.q_proj.lora_a"] = rng.normal(0, 0.1, (128, 4))
+        tensors[f"model.layers.{i}.self_attn.q_proj.lora_b"] = rng.normal(0, 0.1, (4, 128))
+    adapter = tmp_path / "tied-lora"
+    adapter.mkdir()
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(adapter / "adapters.safetensors"),
+              metadata={"format": "mlx"})
+    (adapter / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2,
+                                                            "lora_parameters": {"rank": 4, "scale": 2.0,
+                                                                                "dropout": 0.0,
+                                                                                "keys": ["model.embed_tokens",
+                                                                                         "self_attn.q_proj"]}}))
+    base = zoo.base("llama", tied=True)
+    want = mlx_lm_greedy(cached_mlx(base, "auto"), adapter, PROMPTS[:3], 8)
+    assert want != mlx_lm_greedy(cached_mlx(base, "auto"), None, PROMPTS[:3], 8)
+    with tuneport.serve(base=base, adapters={"t": adapter}, engine="mlx", port=0, n_ctx=64) as server:
+        c = httpx.Client(base_url=server.url, timeout=60)
+        with ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(lambda i: ask(c, "t", PROMPTS[i], 8), range(3)))
+    assert got == [(200, w) for w in want]
 
 
 def test_text_chat_stop_strings_and_sampling(zoo):

@@ -21,6 +21,7 @@ def ops_router(backend: Backend) -> APIRouter:
 
     @router.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(backend.metrics.render(backend.pool))
+        sizes = {k: v for k, v in backend.describe().items() if k.endswith("_bytes") and isinstance(v, int)}
+        return PlainTextResponse(backend.metrics.render(backend.pool, sizes))
 
     return router
