@@ -27,7 +27,6 @@ from tuneport.convert.errors import UserError
 from .base import GenerationRequest, Sequence, sample
 
 log = logging.getLogger("tuneport.serve.mlx")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> mlx.core dtype name
 # mlx_lm.models modules whose Model.__call__ is ``self.model(inputs, cache)`` then the output projection:
 # a prompt is prefilled through the backbone alone (the cache is all prefill needs; no logits for the
 # whole prompt). Other models prefill through the whole model.
@@ -49,12 +48,12 @@ class _Loaded:
 
 
 class MlxEngine:
-    """The base model in ``model_dir`` (an MLX LM directory; ``model_config`` overrides config keys) served
-    with adapters. ``n_ctx``: the most tokens (prompt + output) one request may use; ``max_batch``: rows
-    decoded together; ``prefill_step``: prompt tokens per forward while prefilling."""
+    """The base model in ``model_dir`` (an MLX LM directory) served with adapters. ``n_ctx``: the most tokens
+    (prompt + output) one request may use; ``max_batch``: rows decoded together; ``prefill_step``: prompt
+    tokens per forward while prefilling."""
 
-    def __init__(self, model_dir: Path, *, model_config: dict | None = None, dtype: str = "auto",
-                 n_ctx: int = 2048, max_batch: int = 32, prefill_step: int = 512) -> None:
+    def __init__(self, model_dir: Path, *, n_ctx: int = 2048, max_batch: int = 32, prefill_step: int = 512
+                 ) -> None:
         self.model_dir = Path(model_dir)
         self.n_ctx, self.max_batch, self.prefill_step = n_ctx, max_batch, prefill_step
         self._cv = threading.Condition()
@@ -67,28 +66,23 @@ class MlxEngine:
         self.max_batch_seqs = 0  # the most rows decoded together so far (observability, tests)
         self.max_batch_adapters = 0  # the most distinct adapters (base included) in one step
         ready: Future = Future()
-        self._thread = threading.Thread(target=self._worker, args=(ready, model_config, dtype), daemon=True,
-                                        name="mlx-engine")
+        self._thread = threading.Thread(target=self._worker, args=(ready,), daemon=True, name="mlx-engine")
         self._thread.start()
         ready.result()
 
     # -- the worker thread ------------------------------------------------------------------------------
-    def _load_model(self, model_config: dict | None, dtype: str) -> None:
-        import mlx.core as mx
+    def _load_model(self) -> None:
         from mlx.utils import tree_flatten
         from mlx_lm.utils import load
 
         from .mlx_lora import Rows, targets
 
         try:
-            self.model, self.tokenizer = load(str(self.model_dir), model_config=model_config or {})
+            self.model, self.tokenizer = load(str(self.model_dir))
         except (ValueError, FileNotFoundError, KeyError) as e:
             raise UserError(f"mlx-lm cannot load {self.model_dir}: {e}",
                             "pass an MLX LM directory (tuneport export --target mlx) or an HF model directory"
                             ) from e
-        if dtype != "auto":
-            self.model.set_dtype(getattr(mx, DTYPES[dtype]))
-            mx.eval(self.model.parameters())
         self.base_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.targets = targets(self.model)
         self.eos = set(self.tokenizer.eos_token_ids or ())
@@ -96,9 +90,9 @@ class MlxEngine:
         kind = type(self.model).__module__.rsplit(".", 1)[-1]
         self.prefill = self.model.model if kind in BACKBONE_PREFILL else self.model
 
-    def _worker(self, ready: Future, model_config: dict | None, dtype: str) -> None:
+    def _worker(self, ready: Future) -> None:
         try:
-            self._load_model(model_config, dtype)
+            self._load_model()
         except BaseException as e:  # noqa: BLE001 - the constructor raises it
             ready.set_exception(e)
             return
@@ -116,7 +110,7 @@ class MlxEngine:
                     fut.set_exception(RuntimeError("the MLX engine stopped"))
                 self._jobs.clear()
         finally:
-            self.model = None
+            self.model = self.prefill = None
             import mlx.core as mx
 
             mx.clear_cache()
