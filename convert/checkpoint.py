@@ -156,7 +156,12 @@ class Checkpoint:
         """The shape ``name`` has in the float model: stored, or (4-bit checkpoints) unpacked from its
         quantized tensors. None when the model has no such tensor."""
         if name in self:
-            return self.meta(name).shape
+            meta = self.meta(name)
+            if meta.dtype == torch.uint32 and isinstance(quant := self.config.get("quantization"), dict):
+                from .mlx.read import unpacked_shape  # an MLX LM weight, packed beside its scales
+
+                return unpacked_shape(quant, name.removesuffix(".weight"), meta.shape)
+            return meta.shape
         if name.endswith(".weight") and self.quantization:
             from .awq.formats import packed_weight_shape
 

@@ -68,6 +68,12 @@ def _module_quant(quant: dict, module: str) -> dict:
     return {**top, **entry} if isinstance(entry, dict) else top
 
 
+def unpacked_shape(quant: dict, module: str, packed: tuple[int, ...]) -> tuple[int, ...]:
+    """``[out, in]`` of a quantized module whose packed uint32 weight has shape ``packed``."""
+    bits = _module_quant(quant, module)["bits"]
+    return (*packed[:-1], packed[-1] * 32 // int(bits))
+
+
 def mlx_weights(path: Path, metas: dict[str, TensorMeta], quant: dict | None) -> dict:
     """What an MLX LM directory's tensors hold (``metas``: name -> TensorMeta of every weight file; ``quant``:
     its config's ``quantization``): parameters with quantized weights counted unpacked, the floating dtype,
