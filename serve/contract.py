@@ -9,6 +9,7 @@ and unloads adapters through its :class:`~tuneport.serve.pool.AdapterPool`, and 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -43,11 +44,11 @@ def number(body: dict, key: str, default: float, kind: type = float) -> float:
     if value is None:
         return default
     try:
-        if isinstance(value, bool):
-            raise TypeError
+        if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+            raise TypeError  # JSON's NaN / Infinity are no one's sampling parameters
         return kind(value)
-    except (TypeError, ValueError):
-        raise ApiError(f"'{key}' must be a number, not {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ApiError(f"'{key}' must be a finite number, not {value!r}") from None
 
 
 class Backend(ABC):

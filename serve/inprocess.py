@@ -52,6 +52,11 @@ class InProcessBackend(Backend):
     def render_chat(self, messages: list[dict]) -> list[int]:
         """Chat messages through the model's chat template, as token ids (ApiError if it has none)."""
 
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Token ids the model embeds (prompt ids are checked against it)."""
+
     @abstractmethod
     def piece(self, token: int) -> bytes:
         """The bytes one generated token adds to the text (special tokens: none)."""
@@ -71,6 +76,9 @@ class InProcessBackend(Backend):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:  # an engine reads its embedding at whatever index it is given
+                raise ApiError(f"token ids {bad[:3]} are outside the vocabulary (0 to {self.vocab_size - 1})")
             return list(prompt)
         if isinstance(prompt, str):
             return self.tokenize(prompt)
@@ -109,6 +117,12 @@ class InProcessBackend(Backend):
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
             seed=None if seed is None else int(number(body, "seed", 0, int)),
             ignore_eos=bool(body.get("ignore_eos", False)))
+        for bad, what in ((req.temperature < 0, "temperature must be >= 0"),
+                          (not 0 < req.top_p <= 1, "top_p must be in (0, 1]"),
+                          (req.seed is not None and req.seed < 0, "seed must be >= 0"),
+                          (req.max_tokens < 0, "max_tokens must be >= 0")):
+            if bad:
+                raise ApiError(what)
         stops = body.get("stop") or []
         return req, adapters, [stops] if isinstance(stops, str) else list(stops)
 

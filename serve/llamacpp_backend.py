@@ -126,6 +126,10 @@ class LlamaCppBackend(InProcessBackend):
         prompt, add_bos = self._chat_renderer(messages)
         return self.llama.tokenize(prompt, add_bos, special=True)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.llama.n_vocab
+
     def piece(self, token: int) -> bytes:
         return self.llama.piece(token)
 

@@ -114,6 +114,10 @@ class MlxBackend(InProcessBackend):
     def render_chat(self, messages: list[dict]) -> list[int]:
         return self.text.chat(messages)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.mlx.n_vocab
+
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)
 

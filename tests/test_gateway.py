@@ -166,3 +166,13 @@ def test_bad_values_are_the_clients_error(gw):
     for body in ({"max_tokens": "lots"}, {"temperature": "hot"}, {"prompt": {"not": "a prompt"}}):
         r = complete(c, "plain", **body)
         assert r.status_code == 400, (body, r.status_code, r.text)
+    if gw.server.backend.engine != "vllm":  # in-process engines check what reaches their arrays
+        bad = ({"prompt": [1, 100000]}, {"prompt": [1, -1]}, {"seed": -1}, {"top_p": 0}, {"temperature": -0.5})
+        for body in bad:
+            r = complete(c, "plain", **body)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+        for raw in ('"temperature": NaN', '"max_tokens": Infinity'):  # JSON extensions Python's parser accepts
+            r = c.post("/v1/completions", content='{"model": "plain", "prompt": "The", "max_tokens": 2, ' + raw + "}",
+                       headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (raw, r.text)
+        assert complete(c, "plain").status_code == 200  # the engine is still answering

@@ -331,3 +331,33 @@ def test_cli_serves_mlx_and_plans_it(zoo, tmp_path, cli):
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     assert '"POST /v1/completions" 200 model=plain' in err
+
+
+def test_a_dora_adapter_leaves_other_rows_of_a_biased_linear_untouched():
+    """DoRA rescales (x·Wᵀ + LoRA) and adds the bias after; rows of the base or of a plain LoRA in the same
+    step must not go through that (y - bias + bias is not exact in bf16)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    from tuneport.serve.engines.mlx_lora import MultiLoraLinear, Rows
+
+    mx.random.seed(0)
+    base = nn.Linear(64, 32, bias=True)
+    base.update({"weight": (mx.random.normal((32, 64)) * 3).astype(mx.bfloat16),
+                 "bias": (mx.random.normal((32,)) * 50).astype(mx.bfloat16)})
+    rows = Rows()
+    layer = MultiLoraLinear(base, rows)
+    rng = np.random.default_rng(0)
+    lora = (rng.normal(size=(64, 4)).astype(np.float32), rng.normal(size=(4, 32)).astype(np.float32) * 0.1)
+    layer.stack.add(1, *lora, None)
+    layer.stack.add(2, *lora, mx.array(rng.uniform(0.5, 1.5, 32).astype(np.float32)))  # DoRA
+    x = (mx.random.normal((3, 1, 64)) * 4).astype(mx.bfloat16)
+    rows.set([0, 1, 2])
+    out = layer(x)
+    rows.set([0])
+    alone_base = layer(x[:1])
+    rows.set([1])
+    alone_lora = layer(x[1:2])
+    assert mx.array_equal(out[0], base(x[:1])[0]).item() and mx.array_equal(out[0], alone_base[0]).item()
+    assert mx.array_equal(out[1], alone_lora[0]).item()

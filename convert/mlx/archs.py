@@ -71,12 +71,13 @@ def gemma3_rope_and_windows(cfg: dict) -> list[str]:
     return filled
 
 
-def mistral_window(cfg: dict) -> list[str]:
-    """mlx-lm runs Mistral with its Llama model, which has no sliding window."""
+def no_sliding_window(cfg: dict) -> list[str]:
+    """mlx-lm's Llama (which runs Mistral) and Phi-3 have no sliding window: refuse a window shorter than
+    the context."""
     window = cfg.get("sliding_window")
     if window and window < cfg.get("max_position_embeddings", 0):
-        raise UserError(f"this Mistral uses a sliding window of {window} tokens; mlx-lm runs Mistral as Llama "
-                        "without one (outputs would differ past the window)",
+        raise UserError(f"this {cfg.get('model_type')} model uses a sliding window of {window} tokens, which "
+                        "mlx-lm does not implement for it (outputs would differ past the window)",
                         "export it for llama.cpp (--target gguf) or vLLM")
     return []
 
@@ -106,13 +107,13 @@ class MlxArch:
 
 MLX_ARCHS: dict[str, MlxArch] = {a.model_type: a for a in (
     MlxArch("llama", "llama"),
-    MlxArch("mistral", "llama", (rope_top_level, mistral_window), notes=("mlx-lm runs Mistral as Llama",)),
+    MlxArch("mistral", "llama", (rope_top_level, no_sliding_window), notes=("mlx-lm runs Mistral as Llama",)),
     MlxArch("qwen2", "qwen2"),
     MlxArch("qwen3", "qwen3"),
     MlxArch("gemma3_text", "gemma3_text", (gemma3_rope_and_windows,), embed_factor=gemma_embed_factor,
             norm_offset=1.0, notes=("embedding rows scaled by the ratio of sqrt(hidden) to mlx-lm's bfloat16 "
                                     "rounding of it",)),
-    MlxArch("phi3", "phi3"),
+    MlxArch("phi3", "phi3", (rope_top_level, no_sliding_window)),
 )}
 
 

@@ -73,6 +73,7 @@ class MlxEngine:
     # -- the worker thread ------------------------------------------------------------------------------
     def _load_model(self) -> None:
         from mlx.utils import tree_flatten
+        from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import load
 
         from .mlx_lora import Rows, targets
@@ -83,6 +84,12 @@ class MlxEngine:
             raise UserError(f"mlx-lm cannot load {self.model_dir}: {e}",
                             "pass an MLX LM directory (tuneport export --target mlx) or an HF model directory"
                             ) from e
+        caches = make_prompt_cache(self.model)
+        if not all(hasattr(c, "merge") for c in caches):
+            kinds = sorted({type(c).__name__ for c in caches if not hasattr(c, "merge")})
+            raise UserError(f"{self.model_dir}: mlx-lm cannot batch this model's caches ({', '.join(kinds)})",
+                            "serve it with mlx_lm.server (one request at a time) or another engine")
+        self.n_vocab = int(self.model.args.vocab_size)
         self.base_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.targets = targets(self.model)
         self.eos = set(self.tokenizer.eos_token_ids or ())
@@ -128,14 +135,22 @@ class MlxEngine:
                     jobs, self._jobs = self._jobs, []
                     room = self.max_batch - len(active)
                     admit, self._pending = self._pending[:room], self._pending[room:]
-                active, cache = self._keep(active, cache, [s for s in active if not s.cancelled])
-                for fn, fut in jobs:  # adapters change between steps, never during one
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as e:  # noqa: BLE001 - the caller raises it
-                        fut.set_exception(e)
-                if jobs:  # a row whose adapter is gone gets the error (the pool's references prevent it)
-                    active, cache = self._keep(active, cache, [s for s in active if self._adapter_live(s)])
+                try:
+                    active, cache = self._keep(active, cache, [s for s in active if not s.cancelled])
+                    for fn, fut in jobs:  # adapters change between steps, never during one
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as e:  # noqa: BLE001 - the caller raises it
+                            fut.set_exception(e)
+                    if jobs:  # a row whose adapter is gone gets the error (the pool's references prevent it)
+                        active, cache = self._keep(active, cache, [s for s in active if self._adapter_live(s)])
+                except BaseException:  # the engine stops: what was taken off the queues is answered too
+                    for s in admit:
+                        s.out.put(RuntimeError("the MLX engine stopped"))
+                    for _, fut in jobs:
+                        if not fut.done():
+                            fut.set_exception(RuntimeError("the MLX engine stopped"))
+                    raise
                 try:
                     active, cache = self._admit(active, cache, admit)
                     if active:

@@ -190,14 +190,18 @@ class MultiLoraLinear(nn.Module):
         if st.a is None or (slots := self.rows.slots(st.ids)) is None:
             return y
         z = (x @ st.a[slots]) @ st.b[slots]
-        if st.f is None:
+        dora = {gid for gid, d in zip(st.ids, st.doras, strict=True) if d}
+        row_dora = [gid in dora for gid in self.rows.ids]
+        if st.f is None or not any(row_dora):  # rows without DoRA never see its rescaling (no bias round trip)
             return y + z.astype(y.dtype)
         f = st.f[slots] if isinstance(slots, int) else st.f[slots][:, None, :]
         bias = self.base.bias if "bias" in self.base else None
+        out = f.astype(x.dtype) * ((y - bias if bias is not None else y) + z.astype(x.dtype))
         if bias is not None:
-            y = y - bias
-        out = f.astype(x.dtype) * (y + z.astype(x.dtype))
-        return out + bias if bias is not None else out
+            out = out + bias
+        if all(row_dora):
+            return out
+        return mx.where(mx.array(row_dora)[:, None, None], out, y + z.astype(y.dtype))
 
 
 class MultiLoraEmbedding(nn.Module):
