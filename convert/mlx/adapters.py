@@ -36,6 +36,7 @@ from ..checkpoint import Checkpoint
 from ..errors import UserError
 from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .archs import mlx_arch_for
+from .read import json_object
 
 MERGE_HINT = "export with --adapters merge (the default), which folds it into the weights exactly"
 
@@ -167,12 +168,7 @@ def read_mlx_adapter(path: Path) -> dict:
     cfg_path = path / ADAPTER_CONFIG
     if not (path / ADAPTER_WEIGHTS).exists() or not cfg_path.exists():
         raise UserError(f"{path} is not an mlx-lm adapter", f"it needs {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{cfg_path} is not readable JSON ({e})", "re-save the adapter") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{cfg_path} is not a JSON object", "re-save the adapter")
+    cfg = json_object(cfg_path)
     if "lora_parameters" not in cfg and cfg.get("fine_tune_type", "lora") != "full":
         raise UserError(f"{cfg_path} has no lora_parameters", "it is not an mlx-lm adapter config")
     return cfg

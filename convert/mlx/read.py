@@ -141,7 +141,7 @@ def mlx_lm_refusal(cfg: dict) -> str | None:
     return None
 
 
-def _json_object(path: Path) -> dict:
+def json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -157,7 +157,7 @@ def mlx_adapter_info(path: Path) -> dict:
     from ..safetensors_file import SafetensorsFile
     from .adapters import read_mlx_adapter
 
-    _json_object(path / ADAPTER_CONFIG)
+    json_object(path / ADAPTER_CONFIG)
     cfg = read_mlx_adapter(path)
     st = SafetensorsFile(path / ADAPTER_WEIGHTS)
     lora = cfg.get("lora_parameters") or {}

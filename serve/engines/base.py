@@ -43,6 +43,18 @@ class Sequence:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.req.seed)
 
+    def emit(self, tok: int, end_of_generation: bool) -> bool:
+        """The engine's side: hand ``tok`` to the caller unless the request ends with it (cancelled, a stop
+        token, end of generation unless ignored) or after it (max_tokens). True when finished (None sent)."""
+        done = self.cancelled or tok in self.req.stop_tokens or (end_of_generation and not self.req.ignore_eos)
+        if not done:
+            self.out.put(tok)
+            self.last, self.n_out = tok, self.n_out + 1
+            done = self.n_out >= self.req.max_tokens
+        if done:
+            self.out.put(None)
+        return done
+
     def tokens(self) -> Iterator[int]:
         """The caller's side: tokens as the engine produces them; closing it cancels the request."""
         try:

@@ -229,14 +229,7 @@ class LlamaCppEngine:
             for sq, row in rows:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
                 tok = sample(logits, sq.req, sq.rng)
-                eog = not sq.req.ignore_eos and lc.llama_vocab_is_eog(self.vocab, tok)
-                done = sq.cancelled or tok in sq.req.stop_tokens or eog
-                if not done:
-                    sq.out.put(tok)
-                    sq.last, sq.n_out = tok, sq.n_out + 1
-                    done = sq.n_out >= sq.req.max_tokens
-                if done:
-                    sq.out.put(None)
+                if sq.emit(tok, lc.llama_vocab_is_eog(self.vocab, tok)):
                     lc.llama_memory_seq_rm(mem, sq.seq_id, -1, -1)
                     free_ids.append(sq.seq_id)
                 else:

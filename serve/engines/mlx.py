@@ -233,17 +233,7 @@ class MlxEngine:
         tokens = greedy.tolist()
         for i in sampled:
             tokens[i] = sample(np.array(logprobs[i].astype(mx.float32)), active[i].req, active[i].rng)
-        keep = []
-        for s, tok in zip(active, tokens, strict=True):
-            done = s.cancelled or tok in s.req.stop_tokens or (tok in self.eos and not s.req.ignore_eos)
-            if not done:
-                s.out.put(tok)
-                s.last, s.n_out = tok, s.n_out + 1
-                done = s.n_out >= s.req.max_tokens
-            if done:
-                s.out.put(None)
-            else:
-                keep.append(s)
+        keep = [s for s, tok in zip(active, tokens, strict=True) if not s.emit(tok, tok in self.eos)]
         return self._keep(active, cache, keep)
 
     def _call(self, fn: Callable[[], object]) -> object:
