@@ -113,7 +113,8 @@ class InProcessBackend(Backend):
         usage.prompt_tokens = len(prompt)
         seed = body.get("seed")
         req = GenerationRequest(
-            prompt_tokens=prompt, adapters=adapters, max_tokens=int(number(body, "max_tokens", 16, int)),
+            prompt_tokens=prompt, adapters=adapters,
+            max_tokens=int(number(body, "max_completion_tokens", number(body, "max_tokens", 16, int), int)),
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
             seed=None if seed is None else int(number(body, "seed", 0, int)),
             ignore_eos=bool(body.get("ignore_eos", False)))
@@ -172,6 +173,8 @@ class InProcessBackend(Backend):
                         choice = {"index": 0, "text": delta, "finish_reason": finish}
                     first = False
                     yield sse({**head, "choices": [choice]})
+        if (body.get("stream_options") or {}).get("include_usage"):  # OpenAI: a last chunk with usage only
+            yield sse({**head, "choices": [], "usage": usage.as_dict()})
         yield SSE_DONE
 
 

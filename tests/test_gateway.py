@@ -5,6 +5,7 @@ test_serve_vllm.py and test_serve_mlx.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -176,3 +177,44 @@ def test_bad_values_are_the_clients_error(gw):
                        headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (raw, r.text)
         assert complete(c, "plain").status_code == 200  # the engine is still answering
+
+
+def test_every_openai_field_is_honoured_or_refused_by_name(gw):
+    """n, logprobs, response_format, tools... : a 400 naming the field where the engine lacks it, never dropped;
+    neutral values (n=1, logprobs false) ask for nothing and pass everywhere."""
+    c = gw.client()
+    in_process = gw.server.backend.engine != "vllm"
+    assert complete(c, "plain", n=1, logprobs=None, echo=False, presence_penalty=0, user="u1").status_code == 200
+    refused = [{"suffix": "x"}] + ([{"n": 2}, {"logprobs": 1}, {"echo": True}, {"logit_bias": {"5": 1}},
+                                    {"bogus_field": 1}] if in_process else [])
+    for body in refused:
+        r = complete(c, "plain", **body)
+        (name,) = body
+        assert r.status_code == 400 and f"'{name}'" in r.json()["error"]["message"], (body, r.text)
+    if in_process:
+        for body in ({"response_format": {"type": "json_object"}},
+                     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}):
+            r = c.post("/v1/chat/completions", json={"model": "plain", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2, **body})
+            assert r.status_code == 400 and f"'{next(iter(body))}'" in r.text, r.text
+
+
+def test_max_completion_tokens_and_stream_usage(gw):
+    c = gw.client()
+    r = c.post("/v1/chat/completions", json={"model": "plain", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_completion_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    with c.stream("POST", "/v1/completions", json={"model": "plain", "prompt": "The model", "max_tokens": 3,
+                                                   "temperature": 0, "ignore_eos": True, "stream": True,
+                                                   "stream_options": {"include_usage": True}}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3, events[-1]
+
+
+def test_the_compat_page_lists_every_field():
+    from pathlib import Path
+
+    from tuneport.serve.openai_fields import FIELDS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api-compat.md").read_text()
+    assert all(f"| `{name}` |" in page for name in FIELDS)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..contract import Backend, Kind
+from ..openai_fields import check_fields
 from .middleware import AccessRecord
 
 
@@ -36,6 +37,7 @@ def openai_router(backend: Backend) -> APIRouter:
 async def answer(backend: Backend, request: Request, kind: Kind, body: dict):
     record: AccessRecord = getattr(request.state, "access", None) or AccessRecord()
     record.model, record.generation = str(body.get("model") or backend.name), True
+    check_fields(kind, body, backend.engine)  # honoured or refused, never dropped
     if not body.get("stream"):
         return JSONResponse(await backend.generate(kind, body, record.usage))
     events = backend.stream(kind, body, record.usage)
