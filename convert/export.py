@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .arch import arch_for
@@ -173,6 +174,27 @@ def export(options: ExportOptions | None = None, /, *, progress: Progress | None
     module, func = target_for(opts.target).writer.split(":")
     writer = getattr(importlib.import_module(f"{__package__}.{module}"), func)
     return writer(opts, progress)
+
+
+def cached_export(base: Path, target: str, **fields) -> Path:
+    """``base`` (an HF directory) exported for ``target`` with ``fields`` once, then reused: cached by the
+    options and the base's content (config and tokenizer files, the weight files' size and mtime)."""
+    import hashlib
+
+    from .checkpoint import Checkpoint
+    from .io import cache_dir
+
+    ck = Checkpoint(base)
+    h = hashlib.sha256(f"{target}:{sorted(fields.items())}".encode())
+    for f in [base / "config.json", *ck.side_files()]:
+        h.update(f.name.encode() + f.read_bytes())
+    for f in ck.weight_files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = cache_dir() / target / h.hexdigest()[:24]
+    if not out.exists():
+        export(ExportOptions(base=base, target=target, out=out, **fields))
+    return out
 
 
 def merge(options: MergeOptions | None = None, /, *, progress: Progress | None = None,

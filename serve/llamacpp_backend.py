@@ -8,7 +8,6 @@ LoRA files or PEFT directories (converted on load for an HF base, cached by cont
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +15,12 @@ from tuneport.convert.adapter import load_adapter
 from tuneport.convert.arch import arch_for
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import export
+from tuneport.convert.export import cached_export
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
 from tuneport.convert.io import cache_dir, content_digest, write_once
-from tuneport.convert.options import ExportOptions, model_name
+from tuneport.convert.options import model_name
 
 from .engines.base import GenerationRequest
 from .engines.llamacpp import LlamaCppEngine
@@ -62,18 +61,8 @@ class LlamaCppBackend(InProcessBackend):
 
     @staticmethod
     def _cached_gguf(hf_dir: Path, quant: str) -> Path:
-        """The HF base as GGUF, converted once and cached by content (config, tokenizer, weight stats)."""
-        ck = Checkpoint(hf_dir)
-        h = hashlib.sha256(quant.encode())
-        for f in [hf_dir / "config.json", *ck.side_files()]:
-            h.update(f.name.encode() + f.read_bytes())
-        for f in ck.weight_files:
-            st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-        out = cache_dir() / "gguf" / h.hexdigest()[:24]
-        if not out.exists():
-            export(ExportOptions(base=hf_dir, target="gguf", out=out, quant=quant, name="model"))
-        return out / f"model-{quant.upper()}.gguf"
+        """The HF base as GGUF, converted once and cached by content."""
+        return cached_export(hf_dir, "gguf", quant=quant, name="model") / f"model-{quant.upper()}.gguf"
 
     # -- adapters ------------------------------------------------------------------------------------
     def attach_adapter(self, name: str, path: Path) -> int:

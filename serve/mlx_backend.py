@@ -17,13 +17,12 @@ from pathlib import Path
 from tuneport.convert.adapter import load_adapter
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import export
+from tuneport.convert.export import cached_export
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
-from tuneport.convert.mlx import ADAPTER_WEIGHTS
-from tuneport.convert.mlx.read import is_mlx_adapter, mlx_model_info
-from tuneport.convert.options import ExportOptions, model_name
-from tuneport.convert.safetensors_file import SafetensorsFile
+from tuneport.convert.mlx import ADAPTER_WEIGHTS, DEFAULT_SCALE
+from tuneport.convert.mlx.read import is_mlx_adapter, mlx_adapter_modules, mlx_model_info, read_mlx_adapter
+from tuneport.convert.options import model_name
 
 from .engines.base import GenerationRequest
 from .engines.hf_text import HfText
@@ -32,8 +31,6 @@ from .inprocess import InProcessBackend
 from .pool import PoolError
 
 log = logging.getLogger("tuneport.serve.mlx")
-LORA_PARTS = ("lora_a", "lora_b", "m")  # an mlx-lm adapter's tensors per module
-MLX_DEFAULT_SCALE = 20.0  # mlx-lm's LoRA scale when a config gives none
 
 
 class MlxBackend(InProcessBackend):
@@ -98,8 +95,7 @@ class MlxBackend(InProcessBackend):
         try:
             ck = Checkpoint(base_dir)  # its own reader: conversions run in parallel threads
             adapter = load_adapter(adapter_dir)
-            if self.hf_base is not None:  # an MLX base's quantized weights are packed: the engine checks shapes
-                plan_merge(ck, [WeightedAdapter(adapter)])
+            plan_merge(ck, [WeightedAdapter(adapter)])  # fits the base (MLX weights are read unpacked)
             converted = mlx_adapter(adapter, ck)
         except UserError as e:
             raise PoolError(e.message, e.hint, status=422) from e
@@ -137,25 +133,8 @@ class MlxBackend(InProcessBackend):
         self.mlx.close()
 
 
-def cached_mlx(hf_dir: Path, dtype: str) -> Path:
-    """The HF base as an MLX LM directory, converted once and cached by content (config, tokenizer, weights)."""
-    ck = Checkpoint(hf_dir)
-    h = hashlib.sha256(f"mlx:{dtype}".encode())
-    for f in [hf_dir / "config.json", *ck.side_files()]:
-        h.update(f.name.encode() + f.read_bytes())
-    for f in ck.weight_files:
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = cache_dir() / "mlx" / h.hexdigest()[:24]
-    if not out.exists():
-        export(ExportOptions(base=hf_dir, target="mlx", out=out, dtype=dtype))
-    return out
-
-
 def read_mlx_lora(path: Path) -> dict:
     """An mlx-lm adapter directory as {module path: ModuleLora} with its scale folded into ``b``."""
-    from tuneport.convert.mlx.adapters import read_mlx_adapter
-
     from .engines.mlx_lora import ModuleLora
 
     cfg = read_mlx_adapter(path)
@@ -164,23 +143,16 @@ def read_mlx_lora(path: Path) -> dict:
         raise UserError(f"{path} is an mlx-lm {kind!r} fine-tune (whole weights), not LoRA",
                         "fuse it into the base (mlx_lm.fuse) and serve the result as --base")
     try:
-        scale = float((cfg.get("lora_parameters") or {}).get("scale", MLX_DEFAULT_SCALE))
+        scale = float((cfg.get("lora_parameters") or {}).get("scale", DEFAULT_SCALE))
     except (TypeError, ValueError):
         raise UserError(f"{path / 'adapter_config.json'}: lora_parameters.scale is not a number", "") from None
-    st = SafetensorsFile(path / ADAPTER_WEIGHTS)
-    parts: dict[str, dict] = {}
-    for name in st.tensors:
-        module, _, part = name.rpartition(".")
-        if part not in LORA_PARTS:
-            raise UserError(f"{path / ADAPTER_WEIGHTS} holds {name}, which is not a LoRA tensor",
-                            "an mlx-lm LoRA adapter holds lora_a, lora_b (and m for DoRA) per module")
-        parts.setdefault(module, {})[part] = st.read(name).float().numpy()
-    out = {}
-    for module, p in parts.items():
-        if "lora_a" not in p or "lora_b" not in p:
-            raise UserError(f"{path / ADAPTER_WEIGHTS}: {module} lacks lora_a or lora_b", "re-export the adapter")
-        out[module] = ModuleLora(p["lora_a"], p["lora_b"] * scale, p.get("m"), dora=kind == "dora")
-    return out
+    return {module: ModuleLora(p["lora_a"], p["lora_b"] * scale, p.get("m"), dora=kind == "dora")
+            for module, p in mlx_adapter_modules(path).items()}
+
+
+def cached_mlx(hf_dir: Path, dtype: str) -> Path:
+    """The HF base as an MLX LM directory, converted once and cached by content."""
+    return cached_export(hf_dir, "mlx", dtype=dtype)
 
 
 def _check_dtype(fmt: str, dtype: str) -> None:

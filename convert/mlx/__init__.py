@@ -11,6 +11,8 @@ This module imports neither torch nor mlx: the CLI lists its choices from here.
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_PARTS = ("lora_a", "lora_b", "m")  # an mlx-lm adapter's tensors per module (m: DoRA magnitude)
+DEFAULT_SCALE = 20.0  # mlx-lm's LoRA scale when lora_parameters gives none
 # Quantization types (--quant); see quant.QUANT_TYPES for what each means.
 QUANT_NAMES = ("q2", "q3", "q4", "q5", "q6", "q8", "mxfp4", "nvfp4", "mxfp8",
                "mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")

@@ -36,7 +36,6 @@ from ..checkpoint import Checkpoint
 from ..errors import UserError
 from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .archs import mlx_arch_for
-from .read import json_object
 
 MERGE_HINT = "export with --adapters merge (the default), which folds it into the weights exactly"
 
@@ -161,14 +160,3 @@ def write_mlx_adapter(adapter: MlxAdapter, out: Path) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in adapter.tensors.items()}, str(out / ADAPTER_WEIGHTS),
               metadata={"format": "mlx"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter.config(), indent=2))
-
-
-def read_mlx_adapter(path: Path) -> dict:
-    """The config of an mlx-lm adapter directory (``inspect``); a UserError if it is not one."""
-    cfg_path = path / ADAPTER_CONFIG
-    if not (path / ADAPTER_WEIGHTS).exists() or not cfg_path.exists():
-        raise UserError(f"{path} is not an mlx-lm adapter", f"it needs {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}")
-    cfg = json_object(cfg_path)
-    if "lora_parameters" not in cfg and cfg.get("fine_tune_type", "lora") != "full":
-        raise UserError(f"{cfg_path} has no lora_parameters", "it is not an mlx-lm adapter config")
-    return cfg

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from . import ADAPTER_CONFIG, ADAPTER_PARTS, ADAPTER_WEIGHTS
 from .archs import MLX_ARCHS, mlx_config
 
 if TYPE_CHECKING:
@@ -151,13 +151,41 @@ def json_object(path: Path) -> dict:
     return data
 
 
-def mlx_adapter_info(path: Path) -> dict:
-    """An mlx-lm adapter directory: its config (``adapters.read_mlx_adapter``) and its tensors (count, bytes,
-    dtype, rank, layers); a UserError when the config or the tensors are not an mlx-lm adapter's."""
-    from ..safetensors_file import SafetensorsFile
-    from .adapters import read_mlx_adapter
+def read_mlx_adapter(path: Path) -> dict:
+    """The config of an mlx-lm adapter directory; a UserError if it is not one."""
+    cfg_path = path / ADAPTER_CONFIG
+    if not (path / ADAPTER_WEIGHTS).exists() or not cfg_path.exists():
+        raise UserError(f"{path} is not an mlx-lm adapter", f"it needs {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}")
+    cfg = json_object(cfg_path)
+    if "lora_parameters" not in cfg and cfg.get("fine_tune_type", "lora") != "full":
+        raise UserError(f"{cfg_path} has no lora_parameters", "it is not an mlx-lm adapter config")
+    return cfg
 
-    json_object(path / ADAPTER_CONFIG)
+
+def mlx_adapter_modules(path: Path) -> dict[str, dict]:
+    """An mlx-lm adapter's tensors as {module path: {"lora_a", "lora_b"[, "m"]: fp32 numpy array}}; a
+    UserError for a tensor that is not one of them or a module without both LoRA matrices."""
+    from ..safetensors_file import SafetensorsFile
+
+    st = SafetensorsFile(path / ADAPTER_WEIGHTS)
+    modules: dict[str, dict] = {}
+    for name in st.tensors:
+        module, _, part = name.rpartition(".")
+        if part not in ADAPTER_PARTS:
+            raise UserError(f"{path / ADAPTER_WEIGHTS} holds {name}, which is not a LoRA tensor",
+                            "an mlx-lm LoRA adapter holds lora_a, lora_b (and m for DoRA) per module")
+        modules.setdefault(module, {})[part] = st.read(name).float().numpy()
+    for module, parts in modules.items():
+        if "lora_a" not in parts or "lora_b" not in parts:
+            raise UserError(f"{path / ADAPTER_WEIGHTS}: {module} lacks lora_a or lora_b", "re-export the adapter")
+    return modules
+
+
+def mlx_adapter_info(path: Path) -> dict:
+    """An mlx-lm adapter directory: its config (``read_mlx_adapter``) and its tensors (count, bytes, dtype,
+    rank, layers); a UserError when the config or the tensors are not an mlx-lm adapter's."""
+    from ..safetensors_file import SafetensorsFile
+
     cfg = read_mlx_adapter(path)
     st = SafetensorsFile(path / ADAPTER_WEIGHTS)
     lora = cfg.get("lora_parameters") or {}
@@ -165,7 +193,7 @@ def mlx_adapter_info(path: Path) -> dict:
     if lora.get("rank") is not None and ranks and ranks != [lora["rank"]]:
         raise UserError(f"{path / ADAPTER_WEIGHTS} has lora_a of rank {', '.join(map(str, ranks))}, "
                         f"{ADAPTER_CONFIG} says rank {lora['rank']}", "export the adapter again")
-    modules = {n.rsplit(".", 1)[0] for n in st.tensors if n.endswith((".lora_a", ".lora_b", ".m"))}
+    modules = {n.rsplit(".", 1)[0] for n in st.tensors if n.rpartition(".")[2] in ADAPTER_PARTS}
     layers = sorted({int(m[1]) for n in modules if (m := re.search(r"\.layers\.(\d+)\.", n))})
     dtypes = Counter(str(t.dtype).replace("torch.", "") for t in st.tensors.values())
     return {"fine_tune_type": cfg.get("fine_tune_type", "lora"), "num_layers": cfg.get("num_layers"),

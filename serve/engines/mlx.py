@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from tuneport.convert.errors import UserError
+from tuneport.convert.mlx.archs import MLX_ARCHS
 
 from .base import GenerationRequest, Sequence, sample
 
 log = logging.getLogger("tuneport.serve.mlx")
-# mlx_lm.models modules whose Model.__call__ is ``self.model(inputs, cache)`` then the output projection:
-# a prompt is prefilled through the backbone alone (the cache is all prefill needs; no logits for the
-# whole prompt). Other models prefill through the whole model.
-BACKBONE_PREFILL = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3")
+# The mlx_lm.models modules of tuneport's MLX table: their Model.__call__ is ``self.model(inputs, cache)``
+# then the output projection, so a prompt is prefilled through the backbone alone (the cache is all
+# prefill needs; no logits for the whole prompt). Other models prefill through the whole model.
+BACKBONE_PREFILL = frozenset(a.mlx_model for a in MLX_ARCHS.values())
 
 
 @dataclass(eq=False)

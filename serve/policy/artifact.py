@@ -130,13 +130,9 @@ def _exl3(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
 
 
 def _mlx(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
-    """mlx-lm quantization packs ``bits``-bit values into uint32 words along the input (``.scales`` beside)."""
-    w = _meta(ckpt, f"{m}.weight")
-    if w is None or len(w.shape) != 2 or _meta(ckpt, f"{m}.scales") is None:
-        return _plain(ckpt, m)
-    quant = ckpt.config.get("quantization") or {}
-    bits = int((quant.get(m) if isinstance(quant.get(m), dict) else quant).get("bits", 4))
-    return (w.shape[1] * 32 // bits, w.shape[0])
+    """mlx-lm's packed uint32 weights, read unpacked by the checkpoint (convert.mlx.read)."""
+    shape = ckpt.weight_shape(f"{m}.weight")
+    return (shape[1], shape[0]) if shape is not None and len(shape) == 2 else None  # [out, in]
 
 
 SHAPE_READERS: dict[str, ShapeReader] = {
