@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	$(MAKE) llama-wheel
 	$(PIP) install -q --find-links $(WHEEL_CACHE) --only-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(PIP) install -q -e '.[hf,gguf,mlx,release,dev]'
+	$(PIP) install -q -e '.[hf,gguf,mlx,release,eval,dev]'
 	touch $(STAMP)
 
 llama-wheel:
