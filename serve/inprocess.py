@@ -1,31 +1,54 @@
 """The OpenAI answering of every engine that generates tokens in this process (llama.cpp, MLX).
 
-An :class:`InProcessBackend` turns a request body into prompt tokens (a completion prompt, or chat
-messages through the model's chat template), runs it on its engine, and builds the answer: text from
-token bytes (UTF-8 assembled across tokens), stop strings (held back while they may still be forming),
-``finish_reason``, usage, streaming as server-sent events, ``return_token_ids``. A subclass says how its
-engine tokenizes, renders chat, spells a token and generates.
+An :class:`InProcessBackend` turns a request body into engine requests — each completion prompt (a string,
+token ids, or a list of them), or chat messages through the model's chat template (with ``tools`` where the
+template renders them) — runs them on its engine with ``n`` choices each, log-probabilities, an echoed and
+scored prompt, a grammar for ``response_format`` or a forced tool call, and builds the answer with
+:mod:`tuneport.serve.choices`: whole, or streamed as server-sent events. A subclass says how its engine
+tokenizes, renders chat, spells a token and runs a request.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import time
 import uuid
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
+from .choices import ChoiceBuilder, Delta, Scored, chat_logprobs, completion_logprobs
 from .contract import Backend, Kind, Usage, number
-from .engines.base import GenerationRequest
+from .engines.base import Event, GenerationRequest, PromptScores, Step
 from .errors import ApiError
 from .http import SSE_DONE, sse
+from .structured import grammar_for
+from .tool_calls import ToolSyntax, call_grammar, check_tools, forced_names, syntax_of, template_messages
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
+
+
+@dataclass
+class Plan:
+    """A parsed request: one engine request per prompt, and how its choices are answered."""
+
+    kind: Kind
+    requests: list[GenerationRequest]
+    echoes: list[str]  # per prompt: its text when echoed, else ""
+    adapters: dict[str, float]
+    stops: list[str]
+    logprobs: int | None  # alternatives per token (None: no log-probabilities)
+    tools: ToolSyntax | None = None
+    choices: list[ChoiceBuilder] = field(default_factory=list)
 
 
 class InProcessBackend(Backend):
-    """A backend over an in-process token engine; subclasses implement the four engine hooks below."""
+    """A backend over an in-process token engine; subclasses implement the engine hooks below."""
+
+    max_choices = 1  # the most choices (n) one request may ask for
+    chat_template: str | None = None  # the chat template's source (tools are honoured where it renders them)
 
     @classmethod
     def start(cls, opts, **engine_options) -> InProcessBackend:
@@ -49,8 +72,8 @@ class InProcessBackend(Backend):
         """A completion prompt as token ids (BOS as the model wants it, special tokens parsed)."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages through the model's chat template, as token ids (ApiError if it has none)."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and tools) through the model's chat template, as token ids (ApiError if it has none)."""
 
     @property
     @abstractmethod
@@ -59,123 +82,216 @@ class InProcessBackend(Backend):
 
     @abstractmethod
     def piece(self, token: int) -> bytes:
-        """The bytes one generated token adds to the text (special tokens: none)."""
+        """The bytes one token adds to the text (special tokens: none)."""
 
     @abstractmethod
-    def run(self, request: GenerationRequest) -> Iterator[int]:
-        """The engine's tokens for ``request``; closing the iterator cancels it."""
+    def run(self, request: GenerationRequest) -> Iterator[Event]:
+        """The engine's events for ``request``, submitted at once; ``close()`` on the result cancels it."""
 
     # -- requests ------------------------------------------------------------------------------------
-    def prompt_tokens(self, kind: Kind, body: dict) -> list[int]:
+    def prompts(self, body: dict) -> list[tuple[list[int], str]]:
+        """A completion's prompts as (token ids, text): a string, a list of token ids, or a list of either."""
+        prompt = body.get("prompt", "")
+        items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                out.append((self.tokenize(p), p))
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                bad = [t for t in p if not 0 <= t < self.vocab_size]
+                if bad:  # an engine reads its embedding at whatever index it is given
+                    raise ApiError(f"token ids {bad[:3]} are outside the vocabulary (0 to {self.vocab_size - 1})")
+                out.append((list(p), b"".join(self.piece(t) for t in p).decode("utf-8", "replace")))
+            else:
+                raise ApiError("prompt must be a string, a list of token ids, or a list of either")
+        return out
+
+    def _tools(self, body: dict) -> tuple[list[dict] | None, ToolSyntax | None, str | None]:
+        """(tools to render, the syntax to parse calls in, a grammar forcing a call) for a chat request."""
+        tools = body.get("tools")
+        if not tools or body.get("tool_choice") == "none":
+            return None, None, None
+        tools = check_tools(tools)
+        syntax = syntax_of(self.chat_template)
+        names = forced_names(body.get("tool_choice"), tools)
+        return tools, syntax, call_grammar(syntax, tools, names) if names else None
+
+    def plan(self, kind: Kind, body: dict, usage: Usage) -> Plan:
+        """Parse the request: the engine requests, the adapters they need, how their choices are answered."""
+        adapters = self.adapters_for(body)
+        n = int(number(body, "n", 1, int))
+        if not 1 <= n <= self.max_choices:
+            raise ApiError(f"n must be between 1 and {self.max_choices} on this engine")
+        logprobs = _logprobs(kind, body)
+        echo = kind == "completions" and body.get("echo") is True
+        grammar = grammar_for(body.get("response_format"))
+        tools = syntax = None
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ApiError("messages must be a non-empty list")
-            return self.render_chat(messages)
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:  # an engine reads its embedding at whatever index it is given
-                raise ApiError(f"token ids {bad[:3]} are outside the vocabulary (0 to {self.vocab_size - 1})")
-            return list(prompt)
-        if isinstance(prompt, str):
-            return self.tokenize(prompt)
-        raise ApiError("prompt must be a string or a list of token ids")
-
-    def _text(self, req: GenerationRequest, stops: list[str], token_ids: list[int] | None, usage: Usage
-              ) -> Iterator[tuple[str, str | None]]:
-        """(text delta, finish reason or None), cut at the first stop string; runs in a worker thread."""
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        text, sent, stopped = "", 0, False
-        hold = max((len(s) - 1 for s in stops if s), default=0)  # a stop string may still be forming
-        for tok in self.run(req):
-            usage.completion_tokens += 1
-            if token_ids is not None:
-                token_ids.append(tok)
-            seen = max(0, len(text) - hold)  # no stop string ends before here: earlier text was searched
-            text += decoder.decode(self.piece(tok))
-            hit = next((at for s in stops if s and (at := text.find(s, seen)) >= 0), -1)
-            if hit >= 0:
-                text, stopped = text[:hit], True
-                break
-            if len(text) - hold > sent:
-                yield text[sent: len(text) - hold], None
-                sent = len(text) - hold
-        finish = "length" if not stopped and usage.completion_tokens >= req.max_tokens else "stop"
-        yield text[sent:], finish
-
-    def _start(self, kind: Kind, body: dict, usage: Usage) -> tuple[GenerationRequest, dict[str, float], list]:
-        """Parse the request: the engine request, the adapters it needs, its stop strings."""
-        adapters = self.adapters_for(body)
-        prompt = self.prompt_tokens(kind, body)
-        usage.prompt_tokens = len(prompt)
+            tools, syntax, forced = self._tools(body)
+            if forced and grammar:
+                raise ApiError("'response_format' and a forced 'tool_choice' both constrain the output",
+                               "send one of them")
+            grammar = grammar or forced
+            prompts = [(self.render_chat(template_messages(messages), tools), "")]
+        else:
+            prompts = self.prompts(body)
         seed = body.get("seed")
-        req = GenerationRequest(
-            prompt_tokens=prompt, adapters=adapters,
+        base = dict(
+            adapters=adapters, n=n, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
+            grammar=grammar,
             max_tokens=int(number(body, "max_completion_tokens", number(body, "max_tokens", 16, int), int)),
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
             seed=None if seed is None else int(number(body, "seed", 0, int)),
             ignore_eos=bool(body.get("ignore_eos", False)))
-        for bad, what in ((req.temperature < 0, "temperature must be >= 0"),
-                          (not 0 < req.top_p <= 1, "top_p must be in (0, 1]"),
-                          (req.seed is not None and req.seed < 0, "seed must be >= 0"),
-                          (req.max_tokens < 0, "max_tokens must be >= 0")):
+        for bad, what in ((base["temperature"] < 0, "temperature must be >= 0"),
+                          (not 0 < base["top_p"] <= 1, "top_p must be in (0, 1]"),
+                          (base["seed"] is not None and base["seed"] < 0, "seed must be >= 0"),
+                          (base["max_tokens"] < 0, "max_tokens must be >= 0")):
             if bad:
                 raise ApiError(what)
+        usage.prompt_tokens = sum(len(ids) for ids, _ in prompts)
         stops = body.get("stop") or []
-        return req, adapters, [stops] if isinstance(stops, str) else list(stops)
+        return Plan(kind, [GenerationRequest(prompt_tokens=ids, **base) for ids, _ in prompts],
+                    [text if echo else "" for _, text in prompts], adapters,
+                    [stops] if isinstance(stops, str) else list(stops), logprobs, syntax)
 
-    async def _pieces(self, req: GenerationRequest, stops: list[str], usage: Usage,
-                      token_ids: list[int] | None = None) -> AsyncIterator[tuple[str, str | None]]:
-        """The text deltas of ``req``, each produced in a worker thread; stopping early cancels the request."""
-        it = self._text(req, stops, token_ids, usage)
+    # -- answering -----------------------------------------------------------------------------------
+    def _deltas(self, plan: Plan, usage: Usage) -> Iterator[tuple[ChoiceBuilder, Delta]]:
+        """Every choice's deltas as its events arrive (runs in a worker thread); closing it cancels all."""
+        streams = []
+        try:
+            for req in plan.requests:  # all submitted before any is read: the engine batches them
+                streams.append(self.run(req))
+            for p, (req, stream) in enumerate(zip(plan.requests, streams, strict=True)):
+                mine = [ChoiceBuilder(p * req.n + i, self.piece, plan.stops, req.max_tokens, plan.tools,
+                                      plan.echoes[p]) for i in range(req.n)]
+                plan.choices += mine
+                if req.max_tokens == 0 and not req.prompt_logprobs:
+                    for b in mine:
+                        yield b, b.end()
+                    continue
+                for e in stream:
+                    if isinstance(e, PromptScores):
+                        scored = self._prompt_scored(req, e, plan.echoes[p])
+                        for b in mine:
+                            b.prelude(scored)
+                    elif isinstance(e, Step):
+                        b = mine[e.index]
+                        d = b.step(e)
+                        usage.completion_tokens += not b.stopped or d is not None
+                        if b.stopped:
+                            stream.cancel(e.index)
+                        if d is not None:
+                            yield b, d
+                    else:
+                        yield mine[e.index], mine[e.index].end()
+        finally:
+            for stream in streams:
+                stream.close()  # the engine drops the sequences at its next step
+
+    def _prompt_scored(self, req: GenerationRequest, scores: PromptScores, echo: str) -> list[Scored]:
+        offsets, at = [], 0
+        for t in req.prompt_tokens:
+            offsets.append(at)
+            at += len(self.piece(t).decode("utf-8", "replace"))
+        tops = scores.top or [None] * len(scores.logprobs)
+        return [Scored(req.prompt_tokens[0], None, None, 0)] + [
+            Scored(t, lp, top, off) for t, lp, top, off in
+            zip(req.prompt_tokens[1:], scores.logprobs, tops, offsets[1:], strict=True)]
+
+    async def _run_deltas(self, plan: Plan, usage: Usage) -> AsyncIterator[tuple[ChoiceBuilder, Delta]]:
+        it = self._deltas(plan, usage)
         try:
             while (item := await run_in_threadpool(next, it, None)) is not None:
                 yield item
         finally:
-            it.close()  # the engine drops the sequence at its next step
+            await run_in_threadpool(it.close)
 
     async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
-        req, adapters, stops = self._start(kind, body, usage)
-        ids: list[int] = []
-        text, finish = "", None
-        with await self.hold(adapters):  # released only after the engine has dropped the request
-            async with contextlib.aclosing(self._pieces(req, stops, usage, ids)) as pieces:
-                async for delta, fin in pieces:
-                    text += delta
-                    finish = fin or finish
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        extra = {}
-        if body.get("return_token_ids"):  # vLLM's extension: the prompt's and the answer's token ids
-            choice["token_ids"] = ids
-            extra["prompt_token_ids"] = req.prompt_tokens
+        plan = self.plan(kind, body, usage)
+        got: dict[int, Delta] = {}
+        with await self.hold(plan.adapters):  # released only after the engine has dropped the request
+            async with contextlib.aclosing(self._run_deltas(plan, usage)) as deltas:
+                async for b, d in deltas:
+                    whole = got.setdefault(b.index, Delta())
+                    whole.text += d.text
+                    whole.scored += d.scored
+                    whole.finish, whole.tool_calls = d.finish or whole.finish, d.tool_calls or whole.tool_calls
+        choices = [self._choice(plan, b, got.get(b.index, Delta()), body)
+                   for b in sorted(plan.choices, key=lambda b: b.index)]
+        extra = {"prompt_token_ids": plan.requests[0].prompt_tokens} if body.get("return_token_ids") else {}
         return {"id": response_id(kind), "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": body.get("model") or self.name, "choices": [choice],
+                "created": int(time.time()), "model": body.get("model") or self.name, "choices": choices,
                 "usage": usage.as_dict(), **extra}
 
+    def _choice(self, plan: Plan, b: ChoiceBuilder, d: Delta, body: dict) -> dict:
+        text, scored, finish, calls = d.text, d.scored, d.finish, d.tool_calls
+        if plan.kind == "chat":
+            message = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            choice = {"index": b.index, "message": message,
+                      "logprobs": chat_logprobs(scored, self.piece) if plan.logprobs is not None else None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": b.index, "text": text,
+                      "logprobs": (completion_logprobs(scored, self.piece, plan.logprobs)
+                                   if plan.logprobs is not None else None), "finish_reason": finish}
+        if body.get("return_token_ids"):  # vLLM's extension: the answer's token ids
+            choice["token_ids"] = b.token_ids
+        return choice
+
     async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
-        req, adapters, stops = self._start(kind, body, usage)
+        plan = self.plan(kind, body, usage)
         head = {"id": response_id(kind), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": body.get("model") or self.name}
-        first = True
-        with await self.hold(adapters):  # released only after the engine has dropped the request
-            async with contextlib.aclosing(self._pieces(req, stops, usage)) as pieces:
-                async for delta, finish in pieces:
-                    if kind == "chat":
-                        d = {"role": "assistant", "content": delta} if first else {"content": delta}
-                        choice = {"index": 0, "delta": d, "finish_reason": finish}
-                    else:
-                        choice = {"index": 0, "text": delta, "finish_reason": finish}
-                    first = False
-                    yield sse({**head, "choices": [choice]})
+        started: set[int] = set()
+        with await self.hold(plan.adapters):  # released only after the engine has dropped the request
+            async with contextlib.aclosing(self._run_deltas(plan, usage)) as deltas:
+                async for b, d in deltas:
+                    first = b.index not in started
+                    started.add(b.index)
+                    yield sse({**head, "choices": [self._chunk(plan, b, d, first)]})
         if (body.get("stream_options") or {}).get("include_usage"):  # OpenAI: a last chunk with usage only
             yield sse({**head, "choices": [], "usage": usage.as_dict()})
         yield SSE_DONE
+
+    def _chunk(self, plan: Plan, b: ChoiceBuilder, d: Delta, first: bool) -> dict:
+        text = d.text
+        if plan.kind == "chat":
+            delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+            if d.tool_calls:
+                delta["tool_calls"] = [{"index": i, **c.as_openai()} for i, c in enumerate(d.tool_calls)]
+            lp = chat_logprobs(d.scored, self.piece) if plan.logprobs is not None else None
+            return {"index": b.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish}
+        lp = completion_logprobs(d.scored, self.piece, plan.logprobs) if plan.logprobs is not None else None
+        return {"index": b.index, "text": text, "logprobs": lp, "finish_reason": d.finish}
+
+
+def _logprobs(kind: Kind, body: dict) -> int | None:
+    """Alternatives per token asked for (None: no log-probabilities): completions' ``logprobs: k``, chat's
+    ``logprobs: true`` with ``top_logprobs: k``."""
+    value = body.get("logprobs")
+    if kind == "chat":
+        top = body.get("top_logprobs")
+        if value is not None and not isinstance(value, bool):
+            raise ApiError("'logprobs' must be true or false on /v1/chat/completions")
+        if top is not None and not value:
+            raise ApiError("'top_logprobs' needs 'logprobs': true")
+        k = 0 if top is None else top
+        if not value:
+            return None
+    else:
+        if value is None:
+            return None
+        k = value
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(f"'{'top_logprobs' if kind == 'chat' else 'logprobs'}' must be an integer from 0 to "
+                       f"{MAX_LOGPROBS}")
+    return k
 
 
 def response_id(kind: Kind) -> str:

@@ -22,7 +22,7 @@ from tuneport.convert.gguf.runtime import chat_renderer
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.options import model_name
 
-from .engines.base import GenerationRequest
+from .engines.base import Event, GenerationRequest
 from .engines.llamacpp import LlamaCppEngine
 from .errors import ApiError
 from .inprocess import InProcessBackend
@@ -48,6 +48,7 @@ class LlamaCppBackend(InProcessBackend):
             raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
         self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_workers=workers, kv_f32=kv_f32)
         super().__init__(name, max_adapters, adapter_dir)
+        self.max_choices = self.llama.n_seq_max
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
         self.add_bos = (self.llama.metadata("tokenizer.ggml.add_bos_token") or "true") == "true"
 
@@ -109,10 +110,10 @@ class LlamaCppBackend(InProcessBackend):
         return chat_renderer(self.chat_template, self.llama.piece_text(bos) if bos is not None else "",
                              self.llama.piece_text(eos) if eos is not None else "")
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.chat_template:
             raise ApiError("the model has no chat template", "use /v1/completions")
-        prompt, add_bos = self._chat_renderer(messages)
+        prompt, add_bos = self._chat_renderer(messages, tools)
         return self.llama.tokenize(prompt, add_bos, special=True)
 
     @property
@@ -122,8 +123,8 @@ class LlamaCppBackend(InProcessBackend):
     def piece(self, token: int) -> bytes:
         return self.llama.piece(token)
 
-    def run(self, request: GenerationRequest) -> Iterator[int]:
-        return self.llama.generate(request)
+    def run(self, request: GenerationRequest) -> Iterator[Event]:
+        return self.llama.events(request)
 
     # -- state ---------------------------------------------------------------------------------------
     def health(self) -> bool:

@@ -24,7 +24,7 @@ from tuneport.convert.mlx import ADAPTER_WEIGHTS, DEFAULT_SCALE
 from tuneport.convert.mlx.read import is_mlx_adapter, mlx_adapter_modules, mlx_model_info, read_mlx_adapter
 from tuneport.convert.options import model_name
 
-from .engines.base import GenerationRequest
+from .engines.base import Event, GenerationRequest
 from .engines.hf_text import HfText
 from .engines.mlx import MlxEngine
 from .inprocess import InProcessBackend
@@ -107,8 +107,8 @@ class MlxBackend(InProcessBackend):
     def tokenize(self, text: str) -> list[int]:
         return self.text.encode(text)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        return self.text.chat(messages)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.text.chat(messages)  # tools are refused for MLX before this (serve.openai_fields)
 
     @property
     def vocab_size(self) -> int:
@@ -117,8 +117,8 @@ class MlxBackend(InProcessBackend):
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)
 
-    def run(self, request: GenerationRequest) -> Iterator[int]:
-        return self.mlx.generate(request)
+    def run(self, request: GenerationRequest) -> Iterator[Event]:
+        return self.mlx.events(request)
 
     # -- state ---------------------------------------------------------------------------------------
     def health(self) -> bool:

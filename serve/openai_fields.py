@@ -16,6 +16,8 @@ from .errors import ApiError
 IN_PROCESS = frozenset({"llamacpp", "mlx"})
 ALL = IN_PROCESS | {"vllm"}
 VLLM = frozenset({"vllm"})
+LLAMACPP = frozenset({"llamacpp", "vllm"})  # llama.cpp (grammars, shared prompt cells) and vLLM
+SCORED = ALL  # log-probabilities of generated tokens: every engine
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,11 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("ignore_eos", BOTH, ALL),  # vLLM's extension
     Field("return_token_ids", BOTH, ALL),  # vLLM's extension
     Field("adapters", BOTH, ALL),  # tuneport's weighted mix: Backend.adapters_for refuses it where not served
-    Field("n", BOTH, VLLM, (1,), "one choice per request here"),
+    Field("n", BOTH, LLAMACPP, (1,), "one choice per request on MLX"),
     Field("best_of", COMPLETIONS, VLLM, (1,), "one sequence per request here"),
-    Field("logprobs", BOTH, VLLM, (False,), "log-probabilities are not returned by this engine yet"),
-    Field("top_logprobs", CHAT, VLLM, (0,), "log-probabilities are not returned by this engine yet"),
-    Field("echo", COMPLETIONS, VLLM, (False,), "the prompt is not echoed (nor scored) by this engine yet"),
+    Field("logprobs", BOTH, SCORED),
+    Field("top_logprobs", CHAT, SCORED),
+    Field("echo", COMPLETIONS, LLAMACPP, (False,), "the MLX engine does not score prompts"),
     Field("suffix", COMPLETIONS, frozenset(), ("",), "no engine here fills in the middle"),
     Field("presence_penalty", BOTH, VLLM, (0, 0.0), SAMPLED_ONLY),
     Field("frequency_penalty", BOTH, VLLM, (0, 0.0), SAMPLED_ONLY),
@@ -64,11 +66,10 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("top_k", BOTH, VLLM, (-1, 0), SAMPLED_ONLY),
     Field("min_p", BOTH, VLLM, (0, 0.0), SAMPLED_ONLY),
     Field("repetition_penalty", BOTH, VLLM, (1, 1.0), SAMPLED_ONLY),
-    Field("response_format", BOTH, VLLM, ({"type": "text"},), "constrained (JSON) output is not built for this "
-          "engine yet"),
-    Field("tools", CHAT, VLLM, ([],), "tool calling is not built for this engine yet"),
-    Field("tool_choice", CHAT, VLLM, ("none",), "tool calling is not built for this engine yet"),
-    Field("parallel_tool_calls", CHAT, VLLM, (True, False), "tool calling is not built for this engine yet"),
+    Field("response_format", BOTH, LLAMACPP, ({"type": "text"},), "the MLX engine has no grammars"),
+    Field("tools", CHAT, LLAMACPP, ([],), "the MLX engine has no tool calling"),
+    Field("tool_choice", CHAT, LLAMACPP, ("none",), "the MLX engine has no tool calling"),
+    Field("parallel_tool_calls", CHAT, LLAMACPP, (True, False), "the MLX engine has no tool calling"),
     Field("store", CHAT, frozenset(), (False,), "tuneport stores no completions"),
     Field("metadata", CHAT, frozenset(), ({},), "tuneport stores no completions"),
 )}

@@ -32,6 +32,7 @@ from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, ch
 from .errors import ApiError
 from .http import error_message
 from .pool import PoolError, check_name
+from .tool_calls import syntax_in, template_of
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
 
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
@@ -91,7 +92,8 @@ class VllmPlan:
             lora_modules={n: str(p) for n, p in modules.items()}, dtype=VLLM_DTYPES.get(opts.dtype),
             max_model_len=opts.max_model_len, tensor_parallel_size=opts.tensor_parallel_size,
             pipeline_parallel_size=opts.pipeline_parallel_size, extra_args=check_extra_args(opts.vllm_args),
-            port=opts.engine_port or (opts.port + 1 if opts.port else 0))
+            port=opts.engine_port or (opts.port + 1 if opts.port else 0),
+            tool_parser=getattr(syntax_in(template_of(self.ckpt.path)), "name", None))
 
     def _max_lora_rank(self, startup: dict[str, Path]) -> int:
         """``--max-lora-rank``: as given, else the largest rank among the start-up adapters and those in

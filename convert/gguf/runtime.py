@@ -58,15 +58,15 @@ def current_log_callback() -> int | None:
     return ctypes.cast(cb, ctypes.c_void_p).value
 
 
-def chat_renderer(template: str, bos_text: str, eos_text: str) -> Callable[[list[dict]], tuple[str, bool]]:
-    """A GGUF's chat template compiled once, rendered as llama-cpp-python renders it: ``messages ->
+def chat_renderer(template: str, bos_text: str, eos_text: str) -> Callable[..., tuple[str, bool]]:
+    """A GGUF's chat template compiled once, rendered as llama-cpp-python renders it: ``messages, tools=None ->
     (prompt text, whether tokenizing it adds BOS)``. ``tuneport serve`` and ``tuneport verify`` both use it."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     formatter = Jinja2ChatFormatter(template, eos_token=eos_text, bos_token=bos_text)
 
-    def render(messages: list[dict]) -> tuple[str, bool]:
-        res = formatter(messages=messages)
+    def render(messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
+        res = formatter(messages=messages, tools=tools)
         return res.prompt, not res.added_special
 
     return render

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -24,18 +25,25 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, tensor_shapes
 from tuneport.convert.gguf.runtime import llamacpp_logging
 
-from .base import GenerationRequest, Sequence, sample
+from .base import Done, Event, EventStream, GenerationRequest, PromptScores, Sequence, sample, token_logprobs, tokens_of
+from .utf8 import Utf8Table
 
 __all__ = ["GenerationRequest", "LlamaCppEngine"]
 
 
 @dataclass(eq=False)
 class _Seq(Sequence):
-    """One request inside a worker's batch: its adapter set, sequence id and position."""
+    """One choice inside a worker's batch: its adapter set, sequence id, position, and grammar sampler."""
 
     key: tuple = ()
     seq_id: int = -1
     pos: int = 0
+    grammar: object = None  # a llama_sampler constraining the output, when the request has a grammar
+    utf8_pending: int = 0  # continuation bytes the constrained output still needs for a whole character
+
+
+# llama.cpp's llama_token_data, for a whole row of logits filled at once
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
 class LlamaCppEngine:
@@ -72,7 +80,7 @@ class LlamaCppEngine:
         self._loads = itertools.count(1)
         self._generation: dict[str, int] = {}
         self._cv = threading.Condition()
-        self._pending: list[_Seq] = []
+        self._pending: list[list[_Seq]] = []  # requests waiting, each as its choices
         self._attached: dict[int, tuple] = {}  # worker context -> the adapter set attached to it
         self._closed = False
         self.max_batch_seqs = 0  # the most sequences decoded together so far (observability, tests)
@@ -123,26 +131,51 @@ class LlamaCppEngine:
 
     # -- generation: continuous batching per adapter set ------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[int]:
-        """Tokens one at a time for ``request`` (prompt already tokenized). Requests with the same adapter
-        set are decoded together in one context; a context only switches sets when it has drained."""
+        """Tokens of the first choice one at a time for ``request`` (prompt already tokenized)."""
+        return tokens_of(self.events(request))
+
+    def events(self, request: GenerationRequest) -> Iterator[Event]:
+        """The events of ``request`` (prompt already tokenized). Requests with the same adapter set are decoded
+        together in one context; a context only switches sets when it has drained. The ``n`` choices share
+        the prompt's KV cells (decoded once, then copied by reference)."""
         prompt = list(request.prompt_tokens)
         if not prompt or len(prompt) + request.max_tokens > self.n_ctx:
             raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
                             f"context of {self.n_ctx}", "shorten the prompt or lower max_tokens")
+        if not 1 <= request.n <= self.n_seq_max:
+            raise UserError(f"n={request.n}: a context decodes 1 to {self.n_seq_max} sequences together",
+                            f"ask for at most {self.n_seq_max} choices")
         with self._lock:
             missing = [n for n in request.adapters if n not in self._adapters]
             key = tuple(sorted((n, float(s), self._generation.get(n, 0)) for n, s in request.adapters.items()))
         if missing:
             raise UserError(f"adapter(s) {missing} not loaded", "load them first")
-        if request.max_tokens <= 0:
-            return
-        seq = _Seq(request, key=key)
+        if request.max_tokens <= 0 and not request.prompt_logprobs:
+            return EventStream([])
+        group = _Seq.choices(request, key=key)
+        if request.grammar:
+            for sq in group:
+                sq.grammar = self._grammar(request.grammar, group)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine closed")
-            self._pending.append(seq)
+            self._pending.append(group)
             self._cv.notify_all()
-        yield from seq.tokens()
+        return group[0].events()
+
+    def _grammar(self, gbnf: str, group: list[_Seq]):
+        """A grammar sampler for ``gbnf`` (rule ``root``); a grammar llama.cpp cannot parse is the client's error."""
+        smpl = self.lc.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root")
+        if not smpl:
+            for sq in group:
+                self._free_grammar(sq)
+            raise UserError("llama.cpp could not parse the grammar", "check the schema (--log-level debug shows why)")
+        return smpl
+
+    def _free_grammar(self, sq: _Seq) -> None:
+        if sq.grammar is not None:
+            self.lc.llama_sampler_free(sq.grammar)
+            sq.grammar = None
 
     def _set_adapters(self, ctx, key: tuple) -> None:
         """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``ctx``."""
@@ -161,16 +194,20 @@ class LlamaCppEngine:
             lc.llama_set_adapters_lora(ctx, None, 0, None)
 
     def _claim(self, key: tuple | None, slots: int) -> list[_Seq]:
-        """Pending requests for ``key`` (or, if None, the oldest request's key); lock held."""
+        """Whole pending requests (all their choices) for ``key`` (or, if None, the oldest request's key) that
+        fit ``slots`` sequences; lock held."""
         if not self._pending or slots <= 0:
             return []
         if key is None:
-            key = self._pending[0].key
-        elif any(s.key != key for s in self._pending):
+            key = self._pending[0][0].key
+        elif any(g[0].key != key for g in self._pending):
             return []  # another adapter set is waiting: drain this one so the context can switch
-        taken = [s for s in self._pending if s.key == key][:slots]
-        for s in taken:
-            self._pending.remove(s)
+        taken: list[_Seq] = []
+        for group in [g for g in self._pending if g[0].key == key]:
+            if len(taken) + len(group) > slots:
+                break
+            self._pending.remove(group)
+            taken += group
         return taken
 
     def _worker(self, ctx) -> None:
@@ -194,6 +231,7 @@ class LlamaCppEngine:
                 except BaseException as e:  # noqa: BLE001 - delivered to the waiting requests
                     for sq in active:
                         sq.out.put(e if isinstance(e, Exception) else RuntimeError(str(e)))
+                        self._free_grammar(sq)
                 finally:
                     lc.llama_set_adapters_lora(ctx, None, 0, None)  # no context keeps a pointer to an adapter
                     with self._cv:
@@ -210,14 +248,21 @@ class LlamaCppEngine:
         while active:
             n = 0
             rows: list[tuple[_Seq, int]] = []
+            prefilled: dict[int, tuple[_Seq, int]] = {}  # id(group) -> (first choice, its first prompt row)
             for sq in active:
+                if sq.pos == 0 and sq.index > 0:  # another choice of a request prefilled in this batch
+                    rows.append((sq, rows[-1][1]))
+                    continue
                 feed = sq.req.prompt_tokens if sq.pos == 0 else [sq.last]
+                every = sq.pos == 0 and sq.req.prompt_logprobs  # echo scores every prompt token
+                if sq.pos == 0:
+                    prefilled[id(sq.group)] = (sq, n)
                 for j, tok in enumerate(feed):
                     batch.token[n] = tok
                     batch.pos[n] = sq.pos + j
                     batch.n_seq_id[n] = 1
                     batch.seq_id[n][0] = sq.seq_id
-                    batch.logits[n] = j == len(feed) - 1
+                    batch.logits[n] = every or j == len(feed) - 1
                     n += 1
                 rows.append((sq, n - 1))
                 sq.pos += len(feed)
@@ -225,20 +270,68 @@ class LlamaCppEngine:
             self.max_batch_seqs = max(self.max_batch_seqs, len(rows))
             if lc.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
+            for first, start in prefilled.values():
+                for sq in first.group[1:]:  # the other choices share the prompt's cells
+                    lc.llama_memory_seq_cp(mem, first.seq_id, sq.seq_id, -1, -1)
+                    sq.pos = first.pos
+                if first.req.prompt_logprobs:
+                    first.out.put(self._prompt_scores(ctx, first.req, start))
             still = []
             for sq, row in rows:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
-                tok = sample(logits, sq.req, sq.rng)
-                if sq.emit(tok, lc.llama_vocab_is_eog(self.vocab, tok)):
+                if sq.req.max_tokens <= 0:  # scored, nothing to generate
+                    sq.out.put(Done(sq.index))
+                    done = True
+                else:
+                    allowed = self._constrain(sq, logits) if sq.grammar is not None else logits
+                    if sq.grammar is not None and not np.isfinite(allowed).any():
+                        sq.out.put(Done(sq.index))  # the grammar admits nothing more
+                        done = True
+                    else:
+                        tok = sample(allowed, sq.req, sq.rng)
+                        eog = lc.llama_vocab_is_eog(self.vocab, tok)
+                        if sq.grammar is not None and not eog:
+                            lc.llama_sampler_accept(sq.grammar, tok)
+                            sq.utf8_pending = self._utf8.after(sq.utf8_pending, tok)
+                        done = sq.emit(tok, eog, logits)
+                if done:
                     lc.llama_memory_seq_rm(mem, sq.seq_id, -1, -1)
                     free_ids.append(sq.seq_id)
+                    self._free_grammar(sq)
                 else:
                     still.append(sq)
-            active = still
+            active[:] = still  # the worker sees who is active if a step fails
             with self._cv:  # continuous batching: same adapter set joins at the next step
                 for sq in self._claim(key, len(free_ids)):
                     sq.seq_id = free_ids.pop(0)
                     active.append(sq)
+
+    def _prompt_scores(self, ctx, req: GenerationRequest, start: int) -> PromptScores:
+        """Each prompt token's log-probability after the first, from the rows decoded at ``start``..."""
+        k = req.logprobs or 0
+        lps, tops = [], []
+        for j, tok in enumerate(req.prompt_tokens[1:]):
+            row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(ctx, start + j), shape=(self.n_vocab,))
+            lp, top = token_logprobs(row, tok, k)
+            lps.append(lp)
+            tops.append(top)
+        return PromptScores(lps, tops if req.logprobs is not None else None)
+
+    def _constrain(self, sq: _Seq, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with every token the grammar does not admit next at -inf (llama.cpp's grammar sampler)."""
+        data = np.empty(self.n_vocab, dtype=TOKEN_DATA)
+        data["id"] = np.arange(self.n_vocab)
+        data["logit"] = logits
+        data["p"] = 0.0
+        cur = self.lc.llama_token_data_array(data=data.ctypes.data_as(self.lc.llama_token_data_p),
+                                             size=self.n_vocab, selected=-1, sorted=False)
+        self.lc.llama_sampler_apply(sq.grammar, ctypes.byref(cur))
+        return np.where(self._utf8.allowed(sq.utf8_pending), data["logit"], -np.inf)
+
+    @functools.cached_property
+    def _utf8(self) -> Utf8Table:
+        """The vocabulary's UTF-8 shapes, built at the first constrained request."""
+        return Utf8Table([self.piece(t) for t in range(self.n_vocab)])
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         lc = self.lc
@@ -276,8 +369,10 @@ class LlamaCppEngine:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for sq in self._pending:
-                sq.out.put(RuntimeError("engine closed"))
+            for group in self._pending:
+                group[0].out.put(RuntimeError("engine closed"))
+                for sq in group:
+                    self._free_grammar(sq)
             self._pending.clear()
             self._cv.notify_all()
         for t in getattr(self, "_workers", []):

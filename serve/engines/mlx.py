@@ -25,7 +25,7 @@ import numpy as np
 from tuneport.convert.errors import UserError
 from tuneport.convert.mlx.archs import MLX_ARCHS
 
-from .base import GenerationRequest, Sequence, sample
+from .base import Done, Event, EventStream, GenerationRequest, Sequence, sample, tokens_of
 
 log = logging.getLogger("tuneport.serve.mlx")
 # The mlx_lm.models modules of tuneport's MLX table: their Model.__call__ is ``self.model(inputs, cache)``
@@ -193,7 +193,7 @@ class MlxEngine:
         caches, joined = [], []
         for s in new:
             if s.cancelled:
-                s.out.put(None)
+                s.out.put(Done(s.index))
                 continue
             if s.gid and not self._adapter_live(s):
                 continue
@@ -230,11 +230,14 @@ class MlxEngine:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # as mlx-lm samples
         greedy = mx.argmax(logprobs, axis=-1)
         sampled = [i for i, s in enumerate(active) if s.req.temperature > 0]
-        mx.eval(greedy, logprobs) if sampled else mx.eval(greedy)
+        scoring = sampled or any(s.req.logprobs is not None for s in active)
+        mx.eval(greedy, logprobs) if scoring else mx.eval(greedy)
         tokens = greedy.tolist()
         for i in sampled:
             tokens[i] = sample(np.array(logprobs[i].astype(mx.float32)), active[i].req, active[i].rng)
-        keep = [s for s, tok in zip(active, tokens, strict=True) if not s.emit(tok, tok in self.eos)]
+        scored = [np.array(logprobs[i].astype(mx.float32)) if s.req.logprobs is not None else None
+                  for i, s in enumerate(active)]
+        keep = [s for s, tok, row in zip(active, tokens, scored, strict=True) if not s.emit(tok, tok in self.eos, row)]
         return self._keep(active, cache, keep)
 
     def _call(self, fn: Callable[[], object]) -> object:
@@ -292,6 +295,13 @@ class MlxEngine:
     # -- requests ------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[int]:
         """Tokens one at a time for ``request`` (prompt already tokenized, at most one adapter at scale 1)."""
+        return tokens_of(self.events(request))
+
+    def events(self, request: GenerationRequest) -> Iterator[Event]:
+        """The events of ``request``: one choice, log-probabilities of generated tokens when asked."""
+        if request.n != 1 or request.prompt_logprobs or request.grammar:
+            raise UserError("the MLX engine answers one choice, without prompt scores or grammars",
+                            "serve with --engine llamacpp or vllm for n, echo and response_format")
         prompt = list(request.prompt_tokens)
         if not prompt or len(prompt) + request.max_tokens > self.n_ctx:
             raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
@@ -300,7 +310,7 @@ class MlxEngine:
             raise UserError("the MLX engine runs one adapter per request at its own scale",
                             "pick one adapter with model=NAME")
         if request.max_tokens <= 0:
-            return
+            return EventStream([])
         with self._cv:
             missing = [n for n in request.adapters if n not in self._loaded]
             if missing:
@@ -310,7 +320,7 @@ class MlxEngine:
             seq = _Seq(request, gid=next((self._loaded[n].gid for n in request.adapters), 0))
             self._pending.append(seq)
             self._cv.notify_all()
-        yield from seq.tokens()
+        return seq.events()
 
     # -- state ---------------------------------------------------------------------------------------
     @staticmethod

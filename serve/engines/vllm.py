@@ -47,6 +47,7 @@ class VllmLaunch:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     extra_args: list[str] = field(default_factory=list)
+    tool_parser: str | None = None  # the chat template's tool-call syntax: tool_choice auto is enabled with it
     host: str = "127.0.0.1"
     port: int = 0
     python: str = sys.executable
@@ -67,13 +68,24 @@ class VllmLaunch:
         if self.lora_modules:
             a.append("--lora-modules")
             a += lora_module_args(self.lora_modules, self.served_name)
+        if self.tool_parser and not any(x.startswith("--tool-call-parser") for x in self.extra_args):
+            a += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
+        if not any(x.startswith("--structured-outputs-config") for x in self.extra_args):
+            # JSON output without free whitespace (as llama.cpp's grammars): a small model can loop on it
+            a += ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
         return a + list(self.extra_args)
 
     def command(self) -> list[str]:
         return [self.python, "-m", VLLM_SERVER_MODULE, *self.args()]
 
     def env(self) -> dict[str, str]:
-        return dict(VLLM_RUNTIME_LORA_ENV)
+        env = dict(VLLM_RUNTIME_LORA_ENV)
+        if self.tool_parser and "VLLM_ENFORCE_STRICT_TOOL_CALLING" not in os.environ:
+            # vLLM 0.32's strict tool calling (xgrammar structural tags, its default) left a forced call's
+            # arguments unconstrained here (`true`, or a string, for an object schema); its JSON-schema path
+            # constrains them (measured with the hermes fixture, tests/test_openai_clients.py)
+            env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
+        return env
 
 
 def check_extra_args(extra: list[str]) -> list[str]:
