@@ -110,7 +110,7 @@ def test_dry_run_writes_nothing(zoo, tmp_path, monkeypatch):
     plan = tuneport.serve_plan(base=zoo.base("llama"), adapters={"rx": zoo.adapter("llama", "regex")},
                                engine="vllm", vllm_base_guard="on", port=9000)
     vllm_argv = plan["commands"][1]["argv"]
-    modules = {m["name"]: m["path"] for m in map(json.loads, (a for a in vllm_argv if a.startswith("{")))}
+    modules = {m["name"]: m["path"] for m in map(json.loads, (a for a in vllm_argv if a.startswith("{\"name\"")))}
     assert str(cache / "vllm-adapters") in modules["rx"]  # a regex target_modules needs a fixed copy
     assert str(cache / "vllm-guard") in modules["tuneport-base"]
     assert not cache.exists() or not any(cache.rglob("*")), list(cache.rglob("*"))
@@ -125,7 +125,7 @@ def test_hub_ids_serve_under_their_name(hub):
     assert gateway["argv"][gateway["argv"].index("--base") + 1] == base
     argv = vllm["argv"]
     assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
-    assert [json.loads(a)["name"] for a in argv if a.startswith("{")][0] == "chat"
+    assert [json.loads(a)["name"] for a in argv if a.startswith("{\"name\"")][0] == "chat"
 
 
 def test_serve_refusals_before_anything_starts(zoo, tmp_path, cli, monkeypatch):

@@ -418,7 +418,7 @@ def test_cli_dry_run_prints_the_plan_and_the_exact_vllm_command(zoo, cli):
     flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert flag["--port"] == "9001" and flag["--max-lora-rank"] == "16" and flag["--max-loras"] == str(slots)
     assert flag["--max-cpu-loras"] == str(slots) and flag["--dtype"] == "float32" and argv[-1] == "--enforce-eager"
-    names = {json.loads(a)["name"] for a in argv if a.startswith("{")}
+    names = {json.loads(a)["name"] for a in argv if a.startswith("{\"name\"")}
     assert names == ({"a", "b", GUARD_ADAPTER} if guard else {"a", "b"})
     assert d["engine"] == "vllm" and "--engine vllm as asked" in d["reason"]
 

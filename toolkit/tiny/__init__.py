@@ -32,6 +32,25 @@ class TinyZoo:
             make_base(arch, out, dtype=dtype, tied=tied, dims=WIDE_DIMS if wide else None)
         return out
 
+    def tool_base(self, arch: str = "qwen2") -> Path:
+        """``base(arch)`` (same weights, so its adapters apply) with a chat template that renders tools in the
+        Hermes syntax (<tool_call>...</tool_call>), and 2,048 positions: a tool prompt is long in a tiny vocabulary."""
+        import json
+        import shutil
+
+        from .tokenizers import TOOLS_TEMPLATE
+
+        out = self.root / f"{arch}-fp32-tools"
+        if not (out / "config.json").exists():
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(self.base(arch), tmp)
+            (tmp / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+            config = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}, indent=2))
+            tmp.rename(out)
+        return out
+
     def adapter(self, arch: str, variant: str, dtype: str = "fp32", wide: bool = False) -> Path:
         out = self.root / "adapters" / f"{arch}-{dtype}-{variant}{'-wide' if wide else ''}"
         if not (out / "adapter_config.json").exists():

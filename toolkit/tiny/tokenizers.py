@@ -26,6 +26,34 @@ CHATML_TEMPLATE = (
     "{% endif %}"
 )
 
+# ChatML with tools in the Hermes syntax (as Qwen 2.5's template): tools listed in the system turn, calls
+# answered inside <tool_call></tool_call>, results given back inside <tool_response></tool_response>. HF renders
+# with trim_blocks: a newline right after a block tag is written as an expression.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}\n{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}{% if call.function is defined %}{% set call = call.function %}{% endif %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ call.name }}\", "
+    "\"arguments\": {{ call.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def write_sentencepiece(out: Path) -> None:
     """Train a BPE SentencePiece model with byte fallback; write HF tokenizer files into ``out``."""
