@@ -92,3 +92,13 @@ def check_fields(kind: str, body: dict, engine: str) -> None:
         hint = ("serve with --engine vllm for " + ", ".join(f.name for f in honours[:4])
                 if honours and engine in IN_PROCESS else "drop the field")
         raise ApiError("; ".join(problems), hint + " (see docs/api-compat.md)")
+
+
+def markdown_rows() -> list[str]:
+    """The table's rows as docs/api-compat.md shows them (a test keeps the page equal to the table)."""
+    def shown(v: object) -> str:
+        return f'`"{v}"`' if isinstance(v, str) else "`" + repr(v).replace("'", '"') + "`"
+
+    return [f"| `{f.name}` | {', '.join(f.kinds)} | "
+            + " | ".join("honoured" if e in f.engines else "refused" for e in ("llamacpp", "mlx", "vllm"))
+            + f" | {', '.join(shown(v) for v in f.neutral) or '—'} |" for f in FIELDS.values()]

@@ -196,6 +196,11 @@ def test_every_openai_field_is_honoured_or_refused_by_name(gw):
             assert r.status_code == 200, (body, r.text)
         else:
             assert r.status_code == 400 and f"'{name}'" in r.json()["error"]["message"], (body, r.text)
+    r = complete(c, "plain", logprobs=2)  # greedy: each token is its own top alternative, log-probabilities < 0
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == r.json()["usage"]["completion_tokens"] > 0, r.text
+    for value, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert value < 0 and abs(max(top.values()) - value) < 1e-5, (value, top)
     if engine != "vllm":
         r = complete(c, "plain", bogus_field=1)
         assert r.status_code == 400 and "'bogus_field'" in r.text, r.text
@@ -225,7 +230,8 @@ def test_max_completion_tokens_and_stream_usage(gw):
 def test_the_compat_page_lists_every_field():
     from pathlib import Path
 
-    from tuneport.serve.openai_fields import FIELDS
+    from tuneport.serve.openai_fields import markdown_rows
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "api-compat.md").read_text()
-    assert all(f"| `{name}` |" in page for name in FIELDS)
+    missing = [row for row in markdown_rows() if row not in page]
+    assert not missing, missing
