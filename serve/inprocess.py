@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from starlette.concurrency import run_in_threadpool
 
 from .choices import ChoiceBuilder, Delta, Scored, chat_logprobs, completion_logprobs
-from .contract import Backend, Kind, Usage, number
+from .contract import Backend, Kind, Usage
 from .engines.base import Event, GenerationRequest, PromptScores, Step
 from .errors import ApiError
 from .http import SSE_DONE, sse
+from .openai_request import ChatRequest, CompletionRequest, parse_request
 from .structured import grammar_for
 from .tool_calls import ToolSyntax, call_grammar, check_tools, forced_names, syntax_of, template_messages
-
-MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 
 
 @dataclass
@@ -35,6 +34,7 @@ class Plan:
     """A parsed request: one engine request per prompt, and how its choices are answered."""
 
     kind: Kind
+    request: CompletionRequest | ChatRequest  # the body, typed
     requests: list[GenerationRequest]
     echoes: list[str]  # per prompt: its text when echoed, else ""
     adapters: dict[str, float]
@@ -89,9 +89,8 @@ class InProcessBackend(Backend):
         """The engine's events for ``request``, submitted at once; ``close()`` on the result cancels it."""
 
     # -- requests ------------------------------------------------------------------------------------
-    def prompts(self, body: dict) -> list[tuple[list[int], str]]:
+    def prompts(self, prompt: str | list) -> list[tuple[list[int], str]]:
         """A completion's prompts as (token ids, text): a string, a list of token ids, or a list of either."""
-        prompt = body.get("prompt", "")
         items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         out = []
         for p in items:
@@ -106,57 +105,42 @@ class InProcessBackend(Backend):
                 raise ApiError("prompt must be a string, a list of token ids, or a list of either")
         return out
 
-    def _tools(self, body: dict) -> tuple[list[dict] | None, ToolSyntax | None, str | None]:
+    def _tools(self, r: ChatRequest) -> tuple[list[dict] | None, ToolSyntax | None, str | None]:
         """(tools to render, the syntax to parse calls in, a grammar forcing a call) for a chat request."""
-        tools = body.get("tools")
-        if not tools or body.get("tool_choice") == "none":
+        if not r.tools or r.tool_choice == "none":
             return None, None, None
-        tools = check_tools(tools)
+        tools = check_tools(r.tools)
         syntax = syntax_of(self.chat_template)
-        names = forced_names(body.get("tool_choice"), tools)
+        names = forced_names(r.tool_choice, tools)
         return tools, syntax, call_grammar(syntax, tools, names) if names else None
 
     def plan(self, kind: Kind, body: dict, usage: Usage) -> Plan:
         """Parse the request: the engine requests, the adapters they need, how their choices are answered."""
         adapters = self.adapters_for(body)
-        n = int(number(body, "n", 1, int))
-        if not 1 <= n <= self.max_choices:
-            raise ApiError(f"n must be between 1 and {self.max_choices} on this engine")
-        logprobs = _logprobs(kind, body)
-        echo = kind == "completions" and body.get("echo") is True
-        grammar = grammar_for(body.get("response_format"))
-        tools = syntax = None
-        if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError("messages must be a non-empty list")
-            tools, syntax, forced = self._tools(body)
+        r = parse_request(kind, body)
+        if r.n > self.max_choices:
+            raise ApiError(f"'n' must be between 1 and {self.max_choices} on this engine")
+        logprobs = r.top_k()
+        echo = isinstance(r, CompletionRequest) and r.echo
+        grammar = grammar_for(r.response_format)
+        syntax = None
+        if isinstance(r, ChatRequest):
+            tools, syntax, forced = self._tools(r)
             if forced and grammar:
                 raise ApiError("'response_format' and a forced 'tool_choice' both constrain the output",
                                "send one of them")
             grammar = grammar or forced
-            prompts = [(self.render_chat(template_messages(messages), tools), "")]
+            prompts = [(self.render_chat(template_messages(r.messages), tools), "")]
+            max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         else:
-            prompts = self.prompts(body)
-        seed = body.get("seed")
-        base = dict(
-            adapters=adapters, n=n, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
-            grammar=grammar,
-            max_tokens=int(number(body, "max_completion_tokens", number(body, "max_tokens", 16, int), int)),
-            temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
-            seed=None if seed is None else int(number(body, "seed", 0, int)),
-            ignore_eos=bool(body.get("ignore_eos", False)))
-        for bad, what in ((base["temperature"] < 0, "temperature must be >= 0"),
-                          (not 0 < base["top_p"] <= 1, "top_p must be in (0, 1]"),
-                          (base["seed"] is not None and base["seed"] < 0, "seed must be >= 0"),
-                          (base["max_tokens"] < 0, "max_tokens must be >= 0")):
-            if bad:
-                raise ApiError(what)
+            prompts = self.prompts(r.prompt)
+            max_tokens = r.max_tokens
+        base = dict(adapters=adapters, n=r.n, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
+                    grammar=grammar, max_tokens=16 if max_tokens is None else max_tokens,
+                    temperature=r.temperature, top_p=r.top_p, seed=r.seed, ignore_eos=r.ignore_eos)
         usage.prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        stops = body.get("stop") or []
-        return Plan(kind, [GenerationRequest(prompt_tokens=ids, **base) for ids, _ in prompts],
-                    [text if echo else "" for _, text in prompts], adapters,
-                    [stops] if isinstance(stops, str) else list(stops), logprobs, syntax)
+        return Plan(kind, r, [GenerationRequest(prompt_tokens=ids, **base) for ids, _ in prompts],
+                    [text if echo else "" for _, text in prompts], adapters, r.stops, logprobs, syntax)
 
     # -- answering -----------------------------------------------------------------------------------
     def _deltas(self, plan: Plan, usage: Usage) -> Iterator[tuple[ChoiceBuilder, Delta]]:
@@ -220,14 +204,14 @@ class InProcessBackend(Backend):
                     whole.text += d.text
                     whole.scored += d.scored
                     whole.finish, whole.tool_calls = d.finish or whole.finish, d.tool_calls or whole.tool_calls
-        choices = [self._choice(plan, b, got.get(b.index, Delta()), body)
+        choices = [self._choice(plan, b, got.get(b.index, Delta()))
                    for b in sorted(plan.choices, key=lambda b: b.index)]
-        extra = {"prompt_token_ids": plan.requests[0].prompt_tokens} if body.get("return_token_ids") else {}
+        extra = {"prompt_token_ids": plan.requests[0].prompt_tokens} if plan.request.return_token_ids else {}
         return {"id": response_id(kind), "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": body.get("model") or self.name, "choices": choices,
+                "created": int(time.time()), "model": plan.request.model or self.name, "choices": choices,
                 "usage": usage.as_dict(), **extra}
 
-    def _choice(self, plan: Plan, b: ChoiceBuilder, d: Delta, body: dict) -> dict:
+    def _choice(self, plan: Plan, b: ChoiceBuilder, d: Delta) -> dict:
         text, scored, finish, calls = d.text, d.scored, d.finish, d.tool_calls
         if plan.kind == "chat":
             message = {"role": "assistant", "content": text if text or not calls else None}
@@ -240,14 +224,14 @@ class InProcessBackend(Backend):
             choice = {"index": b.index, "text": text,
                       "logprobs": (completion_logprobs(scored, self.piece, plan.logprobs)
                                    if plan.logprobs is not None else None), "finish_reason": finish}
-        if body.get("return_token_ids"):  # vLLM's extension: the answer's token ids
+        if plan.request.return_token_ids:  # vLLM's extension: the answer's token ids
             choice["token_ids"] = b.token_ids
         return choice
 
     async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
         plan = self.plan(kind, body, usage)
         head = {"id": response_id(kind), "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": body.get("model") or self.name}
+                "created": int(time.time()), "model": plan.request.model or self.name}
         started: set[int] = set()
         with await self.hold(plan.adapters):  # released only after the engine has dropped the request
             async with contextlib.aclosing(self._run_deltas(plan, usage)) as deltas:
@@ -255,7 +239,8 @@ class InProcessBackend(Backend):
                     first = b.index not in started
                     started.add(b.index)
                     yield sse({**head, "choices": [self._chunk(plan, b, d, first)]})
-        if (body.get("stream_options") or {}).get("include_usage"):  # OpenAI: a last chunk with usage only
+        options = plan.request.stream_options
+        if options and options.include_usage:  # OpenAI: a last chunk with usage only
             yield sse({**head, "choices": [], "usage": usage.as_dict()})
         yield SSE_DONE
 
@@ -269,29 +254,6 @@ class InProcessBackend(Backend):
             return {"index": b.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish}
         lp = completion_logprobs(d.scored, self.piece, plan.logprobs) if plan.logprobs is not None else None
         return {"index": b.index, "text": text, "logprobs": lp, "finish_reason": d.finish}
-
-
-def _logprobs(kind: Kind, body: dict) -> int | None:
-    """Alternatives per token asked for (None: no log-probabilities): completions' ``logprobs: k``, chat's
-    ``logprobs: true`` with ``top_logprobs: k``."""
-    value = body.get("logprobs")
-    if kind == "chat":
-        top = body.get("top_logprobs")
-        if value is not None and not isinstance(value, bool):
-            raise ApiError("'logprobs' must be true or false on /v1/chat/completions")
-        if top is not None and not value:
-            raise ApiError("'top_logprobs' needs 'logprobs': true")
-        k = 0 if top is None else top
-        if not value:
-            return None
-    else:
-        if value is None:
-            return None
-        k = value
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(f"'{'top_logprobs' if kind == 'chat' else 'logprobs'}' must be an integer from 0 to "
-                       f"{MAX_LOGPROBS}")
-    return k
 
 
 def response_id(kind: Kind) -> str:

@@ -4,7 +4,8 @@ and the reason — never dropped. A field a client sets to its neutral value (``
 
 The in-process engines (llama.cpp, MLX) answer from this table alone: a field it does not list is refused.
 vLLM answers the OpenAI fields itself (its own validation); tuneport forwards those and vLLM's own
-extensions, and refuses only what vLLM does not implement.
+extensions, and refuses only what vLLM does not implement. The values of the fields an in-process engine
+honours are typed by :mod:`tuneport.serve.openai_request`.
 """
 
 from __future__ import annotations

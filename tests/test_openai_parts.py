@@ -140,3 +140,20 @@ def test_choice_holds_a_tool_call_back_from_the_content():
     b = ChoiceBuilder(0, piece, [], max_tokens=200, tools=HERMES)
     deltas = run(b, "<tool_call> not a call")
     assert "".join(d.text for d in deltas) == "<tool_call> not a call" and deltas[-1].finish == "stop"
+
+
+def test_request_values_are_typed_and_a_bad_one_names_its_field():
+    from tuneport.serve.openai_request import parse_request
+
+    r = parse_request("completions", {"prompt": [[1, 2], [3]], "logprobs": 1, "echo": True, "temperature": None})
+    assert r.top_k() == 1 and r.echo and r.temperature == 1.0
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}).top_k() == 0
+    for kind, body, field in (("completions", {"prompt": [1, -1]}, "prompt"),
+                              ("completions", {"temperature": True}, "temperature"),
+                              ("completions", {"top_p": 0}, "top_p"),
+                              ("completions", {"logprobs": 21}, "logprobs"),
+                              ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                               "top_logprobs"),
+                              ("chat", {"messages": []}, "messages")):
+        with pytest.raises(ApiError, match=f"'{field}'"):
+            parse_request(kind, body).top_k()

@@ -1,0 +1,98 @@
+"""The OpenAI request bodies the in-process engines answer, as typed models: one per endpoint over shared
+sampling fields. Which fields an engine honours is :mod:`tuneport.serve.openai_fields` (checked first, for
+every engine); these models type the values (a bad one is a 400 naming the field). vLLM validates its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ApiError
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # strict: no "0.5" or true for a number
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[Finite, Field(ge=0)] = 1.0
+    top_p: Annotated[Finite, Field(gt=0, le=1)] = 1.0
+    seed: Annotated[int, Field(ge=0)] | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    user: str | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: object, info) -> object:
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | TokenIds | list[TokenIds] = ""
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def top_k(self) -> int | None:
+        """Alternatives per token asked for (None: no log-probabilities)."""
+        return self.logprobs
+
+
+class ChatRequest(SamplingRequest):
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def top_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError("'top_logprobs' needs 'logprobs': true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# what a field accepts, said whole (a union type would otherwise speak with its first shape's complaint)
+SHAPES = {"prompt": "a string, a list of token ids (each >= 0), or a list of either",
+          "stop": "a string or a list of strings", "tool_choice": "a string or an object",
+          "max_tokens": "an integer >= 0", "max_completion_tokens": "an integer >= 0", "seed": "an integer >= 0"}
+LOGPROBS_SHAPE = {"completions": f"an integer from 0 to {MAX_LOGPROBS}", "chat": "true or false"}
+
+
+def parse_request(kind: str, body: dict) -> CompletionRequest | ChatRequest:
+    """``body`` as the endpoint's model; the first problems as one 400 naming each field."""
+    model = ChatRequest if kind == "chat" else CompletionRequest
+    shapes = {**SHAPES, "logprobs": LOGPROBS_SHAPE[kind]}
+    try:
+        return model.model_validate({k: v for k, v in body.items() if v is not None or k == "messages"})
+    except ValidationError as e:
+        first: dict[str, str] = {}
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else "body"
+            first.setdefault(name, f"must be {shapes[name]}" if name in shapes else err["msg"])
+        raise ApiError("; ".join(f"'{f}' {msg}" if msg.startswith("must") else f"'{f}': {msg}"
+                                 for f, msg in list(first.items())[:3])) from None
