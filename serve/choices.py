@@ -66,7 +66,7 @@ class ChoiceBuilder:
         if e.logprob is not None:
             self.pending.append(Scored(e.token, e.logprob, e.top, len(self.text)))
         self.text += self.decoder.decode(self.piece(e.token))
-        hit = next((at for s in self.stops if (at := self.text.find(s, seen)) >= 0), -1)
+        hit = min((at for s in self.stops if (at := self.text.find(s, seen)) >= 0), default=-1)  # the earliest
         if hit >= 0:
             self.text, self.stopped = self.text[:hit], True
             return None

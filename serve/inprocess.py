@@ -10,6 +10,7 @@ tokenizes, renders chat, spells a token and runs a request.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import time
 import uuid
@@ -107,10 +108,14 @@ class InProcessBackend(Backend):
 
     def _tools(self, r: ChatRequest) -> tuple[list[dict] | None, ToolSyntax | None, str | None]:
         """(tools to render, the syntax to parse calls in, a grammar forcing a call) for a chat request."""
-        if not r.tools or r.tool_choice == "none":
+        if not r.tools:
+            if r.tool_choice not in (None, "none"):
+                raise ApiError("'tool_choice' needs 'tools'")
             return None, None, None
         tools = check_tools(r.tools)
         syntax = syntax_of(self.chat_template)
+        if r.tool_choice == "none":  # the model sees the tools (as vLLM renders them) but calls none
+            return tools, None, None
         names = forced_names(r.tool_choice, tools)
         return tools, syntax, call_grammar(syntax, tools, names) if names else None
 
@@ -164,8 +169,8 @@ class InProcessBackend(Backend):
                             b.prelude(scored)
                     elif isinstance(e, Step):
                         b = mine[e.index]
+                        usage.completion_tokens += not b.stopped  # the token completing a stop string counts
                         d = b.step(e)
-                        usage.completion_tokens += not b.stopped or d is not None
                         if b.stopped:
                             stream.cancel(e.index)
                         if d is not None:
@@ -177,10 +182,13 @@ class InProcessBackend(Backend):
                 stream.close()  # the engine drops the sequences at its next step
 
     def _prompt_scored(self, req: GenerationRequest, scores: PromptScores, echo: str) -> list[Scored]:
+        """The prompt's tokens with their scores; offsets into the prompt's text as its tokens decode together
+        (a character split across tokens counted once, where it completes)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
         offsets, at = [], 0
         for t in req.prompt_tokens:
             offsets.append(at)
-            at += len(self.piece(t).decode("utf-8", "replace"))
+            at += len(decoder.decode(self.piece(t)))
         tops = scores.top or [None] * len(scores.logprobs)
         return [Scored(req.prompt_tokens[0], None, None, 0)] + [
             Scored(t, lp, top, off) for t, lp, top, off in
@@ -247,7 +255,11 @@ class InProcessBackend(Backend):
     def _chunk(self, plan: Plan, b: ChoiceBuilder, d: Delta, first: bool) -> dict:
         text = d.text
         if plan.kind == "chat":
-            delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+            delta: dict = {"role": "assistant"} if first else {}
+            if text or (first and not d.tool_calls):
+                delta["content"] = text  # OpenAI: no content key once there is none to add; null beside a call
+            elif first:
+                delta["content"] = None
             if d.tool_calls:
                 delta["tool_calls"] = [{"index": i, **c.as_openai()} for i, c in enumerate(d.tool_calls)]
             lp = chat_logprobs(d.scored, self.piece) if plan.logprobs is not None else None

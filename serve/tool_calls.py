@@ -23,14 +23,14 @@ class ToolSyntax:
     """How a family of chat templates asks for tool calls."""
 
     name: str  # vLLM's --tool-call-parser for the same syntax
-    opens: str  # opens a call in the output; its presence in the template identifies the syntax
-    closes: str | None  # closes one call (several may follow each other); None: a JSON list up to the end
-    forceable: bool  # ``opens`` is plain text a grammar can produce (not a control token)
+    opens: str  # opens a call in the output (plain text); its presence in the template identifies the syntax
+    closes: str  # closes one call; several calls may follow each other
 
 
+# Mistral's [TOOL_CALLS] is not here: it is a control token, which the answer's text (and a grammar's) never
+# shows, so calls could not be found in the text.
 SYNTAXES: tuple[ToolSyntax, ...] = (
-    ToolSyntax("hermes", "<tool_call>", "</tool_call>", True),  # Qwen 2.5/3, Hermes, SmolLM3
-    ToolSyntax("mistral", "[TOOL_CALLS]", None, False),
+    ToolSyntax("hermes", "<tool_call>", "</tool_call>"),  # Qwen 2.5/3, Hermes, SmolLM3
 )
 
 
@@ -60,6 +60,9 @@ def template_of(model_dir: Path) -> str | None:
         value = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
     except (OSError, ValueError, AttributeError):
         return None
+    if isinstance(value, list):  # named templates: the tool-use one where there is one
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("tool_use") or named.get("default")
     return value if isinstance(value, str) else None
 
 
@@ -107,33 +110,53 @@ def call_grammar(syntax: ToolSyntax, tools: list[dict], names: list[str]) -> str
     """GBNF for exactly one call of one of ``names``, in ``syntax``, its arguments valid for the tool's schema."""
     from .structured import schema_grammar
 
-    if not syntax.forceable:
-        raise ApiError(f"'tool_choice' cannot force a call in the {syntax.name} syntax (it opens with a control "
-                       "token)", "use tool_choice auto")
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    params, defs = {}, {}
+    for i, t in enumerate(tools):  # each tool's $defs move to the top, its references renamed to follow them
+        schema, mine = _hoist_defs(t["function"].get("parameters") or {"type": "object"}, f"tool{i}_")
+        params[t["function"]["name"]] = schema
+        defs.update(mine)
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
                          "required": ["name", "arguments"], "additionalProperties": False} for n in names]}
+    if defs:
+        schema["$defs"] = defs
     body = re.sub(r"^root ::=", "call ::=", schema_grammar(schema), count=1, flags=re.M)
-    close = json.dumps("\n" + syntax.closes) if syntax.closes else '""'
-    return f"root ::= {json.dumps(syntax.opens + chr(10))} call {close}\n{body}"
+    return f"root ::= {json.dumps(syntax.opens + chr(10))} call {json.dumps(chr(10) + syntax.closes)}\n{body}"
+
+
+def _hoist_defs(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """``schema`` without its ``$defs``/``definitions`` (returned apart, renamed with ``prefix``), every local
+    reference rewritten to ``#/$defs/<prefix><name>``: a tool's schema nested in the call schema keeps its refs."""
+    schema = dict(schema)
+    defs = {**schema.pop("$defs", {}), **schema.pop("definitions", {})}
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                m = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
+                if not m:
+                    raise ApiError(f"a tool's parameters use $ref {ref!r}: only #/$defs/... references can be forced")
+                node = {**node, "$ref": f"#/$defs/{prefix}{m.group(1)}"}
+            return {k: rewrite(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    return rewrite(schema), {f"{prefix}{k}": rewrite(v) for k, v in defs.items()}
 
 
 def parse_calls(text: str, syntax: ToolSyntax) -> list[ToolCall] | None:
     """The calls in ``text`` (which starts where ``syntax.opens`` was found); None when they do not parse — the
     text is then returned as content, as vLLM does."""
     try:
-        if syntax.closes is None:
-            items = json.loads(text[len(syntax.opens):].strip())
-            items = items if isinstance(items, list) else [items]
-        else:
-            items = []
-            for chunk in text.split(syntax.opens)[1:]:
-                body, closed, rest = chunk.partition(syntax.closes)
-                if not closed and body.strip() == "":
-                    continue
-                items.append(json.loads(body.strip()))
-                if rest.strip():
-                    return None
+        items = []
+        for chunk in text.split(syntax.opens)[1:]:
+            body, closed, rest = chunk.partition(syntax.closes)
+            if not closed and body.strip() == "":
+                continue
+            items.append(json.loads(body.strip()))
+            if rest.strip():
+                return None
         calls = [ToolCall(i["name"], i.get("arguments", i.get("parameters", {}))) for i in items]
     except (ValueError, KeyError, TypeError):
         return None

@@ -158,6 +158,8 @@ class LlamaCppEngine:
                 sq.grammar = self._grammar(request.grammar, group)
         with self._cv:
             if self._closed:
+                for sq in group:
+                    self._free_grammar(sq)
                 raise RuntimeError("engine closed")
             self._pending.append(group)
             self._cv.notify_all()
@@ -246,6 +248,8 @@ class LlamaCppEngine:
         for sq in active:
             sq.seq_id = free_ids.pop(0)
         while active:
+            if self._closed:
+                raise RuntimeError("engine closed")  # the worker hands it to every active request
             n = 0
             rows: list[tuple[_Seq, int]] = []
             prefilled: dict[int, tuple[_Seq, int]] = {}  # id(group) -> (first choice, its first prompt row)
@@ -331,7 +335,8 @@ class LlamaCppEngine:
     @functools.cached_property
     def _utf8(self) -> Utf8Table:
         """The vocabulary's UTF-8 shapes, built at the first constrained request."""
-        return Utf8Table([self.piece(t) for t in range(self.n_vocab)])
+        ends = np.array([bool(self.lc.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)])
+        return Utf8Table([self.piece(t) for t in range(self.n_vocab)], ends)
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         lc = self.lc
