@@ -99,7 +99,7 @@ def test_launch_flags_are_derived_from_the_adapters(vsrv):
     assert "--enable-lora" in cmd
     # rank 16 adapter (rslora) -> 16; 3 adapters per batch + the guard's slot; 6 registered + guard
     assert flag["--max-lora-rank"] == "16" and flag["--max-loras"] == "4" and flag["--max-cpu-loras"] == "7"
-    mods = [json.loads(a) for a in cmd[cmd.index("--lora-modules") + 1:] if a.startswith("{")]
+    mods = [json.loads(a) for a in cmd[cmd.index("--lora-modules") + 1:] if a.startswith("{\"name\"")]
     assert {m["name"] for m in mods} == {*STARTUP, GUARD_ADAPTER}
     assert all(m["base_model_name"] == "llama-fp32" for m in mods)
     assert flag["--dtype"] == "float32" and flag["--max-model-len"] == "256"
