@@ -147,6 +147,10 @@ class Backend(ABC):
         return {"engine": self.engine, "model": self.name, "adapters": self.pool.names(),
                 "max_adapters": self.pool.max_adapters, "weighted_mixes": self.weighted_mixes}
 
+    def counters(self) -> dict[str, int]:
+        """Engine figures for /metrics (``*_total``: counters, others: gauges)."""
+        return {}
+
     async def aclose(self) -> None:  # noqa: B027 - most engines hold nothing of the event loop
         """Free what belongs to the gateway's event loop (HTTP clients); the gateway calls it when it stops."""
 

@@ -142,7 +142,8 @@ class InProcessBackend(Backend):
             max_tokens = r.max_tokens
         base = dict(adapters=adapters, n=r.n, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
                     grammar=grammar, max_tokens=16 if max_tokens is None else max_tokens,
-                    temperature=r.temperature, top_p=r.top_p, seed=r.seed, ignore_eos=r.ignore_eos)
+                    temperature=r.temperature, top_p=r.top_p, seed=r.seed, ignore_eos=r.ignore_eos,
+                    cache_prompt=r.cache_prompt)
         usage.prompt_tokens = sum(len(ids) for ids, _ in prompts)
         return Plan(kind, r, [GenerationRequest(prompt_tokens=ids, **base) for ids, _ in prompts],
                     [text if echo else "" for _, text in prompts], adapters, r.stops, logprobs, syntax)

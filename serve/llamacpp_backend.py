@@ -34,7 +34,8 @@ class LlamaCppBackend(InProcessBackend):
     weighted_mixes = True
 
     def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
-                 n_ctx: int = 2048, workers: int = 2, kv_f32: bool = False, dtype: str = "auto") -> None:
+                 n_ctx: int = 2048, workers: int = 1, kv_f32: bool = False, dtype: str = "auto",
+                 prompt_cache: bool = True) -> None:
         name = model_name(base)  # from what the user gave: a hub id's name, not its snapshot's hash
         base = resolve_model_path(base)
         self.hf_base: Path | None = None
@@ -46,7 +47,8 @@ class LlamaCppBackend(InProcessBackend):
             model_path = base
         else:
             raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
-        self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_workers=workers, kv_f32=kv_f32)
+        self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_workers=workers, kv_f32=kv_f32,
+                                    prompt_cache=prompt_cache)
         super().__init__(name, max_adapters, adapter_dir)
         self.max_choices = self.llama.n_seq_max
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
@@ -58,7 +60,8 @@ class LlamaCppBackend(InProcessBackend):
 
     @classmethod
     def from_options(cls, opts) -> LlamaCppBackend:
-        return cls.start(opts, n_ctx=opts.n_ctx, workers=opts.workers, kv_f32=opts.kv_f32, dtype=opts.dtype)
+        return cls.start(opts, n_ctx=opts.n_ctx, workers=opts.workers, kv_f32=opts.kv_f32, dtype=opts.dtype,
+                         prompt_cache=opts.prompt_cache)
 
     @staticmethod
     def _cached_gguf(hf_dir: Path, quant: str) -> Path:
@@ -132,7 +135,11 @@ class LlamaCppBackend(InProcessBackend):
 
     def describe(self) -> dict:
         return {**super().describe(), "gguf": str(self.llama.model_path), "n_ctx": self.llama.n_ctx,
-                "workers": self.llama.n_workers}
+                "workers": self.llama.n_workers, "threads": self.llama.n_threads,
+                "prompt_cache": self.llama.prompt_cache}
+
+    def counters(self) -> dict[str, int]:
+        return self.llama.cache_stats
 
     def close(self) -> None:
         self.llama.close()

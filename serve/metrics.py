@@ -31,10 +31,12 @@ class Metrics:
             self.latency_sum += seconds
             self.latency_count += 1
 
-    def render(self, pool: AdapterPool, gauges: dict[str, int] | None = None) -> str:
-        """Prometheus text; ``gauges``: engine figures (e.g. memory bytes) as ``tuneport_<name>``."""
+    def render(self, pool: AdapterPool, gauges: dict[str, int] | None = None,
+               counters: dict[str, int] | None = None) -> str:
+        """Prometheus text; ``gauges`` and ``counters``: engine figures (memory bytes, prompt-cache hits) as
+        ``tuneport_<name>``."""
         with self.lock:
-            c, buckets = dict(self.counters), list(self.bucket_counts)
+            c, buckets = {**self.counters, **(counters or {})}, list(self.bucket_counts)
             total, count = self.latency_sum, self.latency_count
         c.update({"adapter_loads_total": pool.stats.loads, "adapter_evictions_total": pool.stats.evictions,
                   "adapter_hits_total": pool.stats.hits, "adapter_misses_total": pool.stats.misses})

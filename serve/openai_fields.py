@@ -55,6 +55,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("ignore_eos", BOTH, ALL),  # vLLM's extension
     Field("return_token_ids", BOTH, ALL),  # vLLM's extension
     Field("adapters", BOTH, ALL),  # tuneport's weighted mix: Backend.adapters_for refuses it where not served
+    Field("cache_prompt", BOTH, IN_PROCESS, (True,), "vLLM's prefix cache cannot be turned off per request (its "
+          "key holds the adapter, so it never mixes adapters)"),  # llama-server's field
     Field("n", BOTH, LLAMACPP, (1,), "one choice per request on MLX"),
     Field("best_of", COMPLETIONS, VLLM, (1,), "one sequence per request here"),
     Field("logprobs", BOTH, SCORED),

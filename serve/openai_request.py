@@ -39,6 +39,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    cache_prompt: bool = True  # llama-server's field: may the engine reuse and keep this prompt's KV cells
     response_format: dict[str, Any] | None = None
 
     @field_validator("temperature", "top_p", mode="before")

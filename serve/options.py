@@ -14,9 +14,12 @@ from .registry import ENGINES
 BASE_GUARD = ("auto", "on", "off")
 
 
+FLAG_SPELLING = {"vllm_args": "arguments after --", "prompt_cache": "--no-prompt-cache"}
+
+
 def option_flag(field_name: str) -> str:
     """The command-line spelling of a ServeOptions field."""
-    return "arguments after --" if field_name == "vllm_args" else "--" + field_name.replace("_", "-")
+    return FLAG_SPELLING.get(field_name) or "--" + field_name.replace("_", "-")
 
 
 def parse_named(specs: list[str] | dict[str, str | Path]) -> dict[str, str]:
@@ -56,7 +59,8 @@ class ServeOptions:
     # llama.cpp and MLX
     n_ctx: int = 2048  # tokens per request (prompt + output)
     # llama.cpp
-    workers: int = 2
+    workers: int = 1  # decode loops, each its own context (one loop interleaves every adapter set)
+    prompt_cache: bool = True  # keep finished sequences' KV cells for reuse under the same adapter set
     kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
     # vLLM
     max_model_len: int | None = None

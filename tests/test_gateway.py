@@ -160,6 +160,9 @@ def test_access_log_and_metrics(gw, caplog):
     for name in ("tuneport_requests_total", "tuneport_completion_tokens_total", "tuneport_adapter_loads_total",
                  'tuneport_request_latency_seconds_bucket{le="+Inf"}'):
         assert name in text
+    if gw.server.backend.engine == "llamacpp":  # the same prompt twice under one adapter set: one hit at least
+        assert "# TYPE tuneport_prompt_cache_hits_total counter" in text and "tuneport_prompt_cache_entries " in text
+        assert int(text.split("\ntuneport_prompt_cache_hits_total ")[1].split()[0]) >= 1
 
 
 def test_bad_values_are_the_clients_error(gw):

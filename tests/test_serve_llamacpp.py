@@ -73,6 +73,7 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
         assert not errors, errors[:1]
         wrong = [k for k, (c, i) in enumerate(jobs) if got[k] != want[(c, i)]]
         assert not wrong, [(jobs[k], got[k], want[jobs[k]]) for k in wrong[:2]]
+        assert engine.max_step_adapter_sets >= 2  # adapter sets interleaved step by step, none drained first
 
         # requests that share an adapter set are decoded together (continuous batching)
         same = [threading.Thread(target=lambda i=i: got.__setitem__(1000 + i, list(engine.generate(
@@ -86,6 +87,38 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
         engine.unload_adapter("plain")
         with pytest.raises(UserError, match="not loaded"):
             list(engine.generate(GenerationRequest(PROMPTS[0], {"plain": 1.0}, max_tokens=2)))
+    finally:
+        engine.close()
+
+
+def test_the_prompt_cache_never_crosses_adapter_sets(bundle):
+    """The upstream bug's shape (llama.cpp issue 26207): one long prompt to adapter A, then B, then the base,
+    then A again — each answer equals a fresh instance holding only that adapter; the cache hits for the second
+    A only, never across adapter sets, and not after A is reloaded or when a request opts out."""
+    model = bundle / "llama-fp32-F32.gguf"
+    lora = {v: bundle / "adapters" / f"{v}-F32.gguf" for v in ("plain", "rslora")}
+    prompt = [1, *range(40, 100)]
+    want = {c: fresh_greedy(model, lora.get(c), prompt, N) for c in (None, "plain", "rslora")}
+    engine = LlamaCppEngine(model, n_ctx=128, kv_f32=True)
+    try:
+        for v, path in lora.items():
+            engine.load_adapter(v, path)
+
+        def ask(adapter, **kw):
+            req = GenerationRequest(prompt, {adapter: 1.0} if adapter else {}, max_tokens=N, ignore_eos=True, **kw)
+            return list(engine.generate(req))
+
+        hits = []
+        for adapter in ("plain", "rslora", None, "plain"):
+            assert ask(adapter) == want[adapter], adapter
+            hits.append(engine.cache_stats["prompt_cache_hits_total"])
+        assert hits == [0, 0, 0, 1]
+        assert engine.cache_stats["prompt_cache_hit_tokens_total"] == len(prompt) - 1
+        assert ask(None) == want[None] and engine.cache_stats["prompt_cache_hits_total"] == 2
+        assert ask("plain", cache_prompt=False) == want["plain"] and engine.cache_stats["prompt_cache_hits_total"] == 2
+        engine.unload_adapter("plain")  # its cells go with it: a reload starts cold
+        engine.load_adapter("plain", lora["plain"])
+        assert ask("plain") == want["plain"] and engine.cache_stats["prompt_cache_hits_total"] == 2
     finally:
         engine.close()
 

@@ -37,6 +37,7 @@ class GenerationRequest:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     grammar: str | None = None
+    cache_prompt: bool = True  # an engine with a prompt cache may reuse (and keep) this prompt's cells
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
-"""llama.cpp through llama-cpp-python's low-level API: one model, GGUF LoRAs attached per request,
-worker contexts over the same model.
+"""llama.cpp through llama-cpp-python's low-level API: one model, GGUF LoRAs attached per request, one decode
+loop per context.
 
-A context's adapter set is replaced (``llama_set_adapters_lora``) and its KV cache cleared before every
-request, so a cache is never reused across adapter sets. Adapters are validated against the model
-(architecture, tensor names, shapes) before llama.cpp sees them: a bad file would give a NULL adapter,
-and a NULL adapter segfaults at decode.
+Sequences of different adapter sets live in one KV cache together: each sequence's cells were computed under
+its own adapter set, so they stay valid. Each step of the loop decodes the active sequences one adapter set at
+a time (``llama_set_adapters_lora``, decode that group, next set), round-robin, so no adapter set waits for
+another to drain and no cache is cleared to switch; new requests join at the next step. Finished sequences'
+cells are kept as a prompt cache (:mod:`.prompt_cache`), reused only under the identical adapter set.
+Adapters are validated against the model (architecture, tensor names, shapes) before llama.cpp sees them: a
+bad file would give a NULL adapter, and a NULL adapter segfaults at decode.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import itertools
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +29,21 @@ from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, t
 from tuneport.convert.gguf.runtime import llamacpp_logging
 
 from .base import Done, Event, EventStream, GenerationRequest, PromptScores, Sequence, sample, token_logprobs, tokens_of
+from .prompt_cache import PromptCache
 from .utf8 import Utf8Table
 
-__all__ = ["GenerationRequest", "LlamaCppEngine"]
+__all__ = ["GenerationRequest", "LlamaCppEngine", "physical_cores"]
 
 
 @dataclass(eq=False)
 class _Seq(Sequence):
-    """One choice inside a worker's batch: its adapter set, sequence id, position, and grammar sampler."""
+    """One choice inside a decode loop: its adapter set, sequence id, position, and grammar sampler."""
 
     key: tuple = ()
     seq_id: int = -1
     pos: int = 0
+    prefilled: bool = False
+    fed: list[int] = field(default_factory=list)  # the tokens whose cells this sequence holds
     grammar: object = None  # a llama_sampler constraining the output, when the request has a grammar
     utf8_pending: int = 0  # continuation bytes the constrained output still needs for a whole character
 
@@ -46,9 +52,44 @@ class _Seq(Sequence):
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
+def physical_cores() -> int:
+    """Cores this process may run on, counting each physical core once (hyper-threads share its units)."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return max(1, allowed)
+    threads_per_core: dict[tuple[str, str], int] = {}
+    for block in text.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "core id" in fields:
+            core = (fields.get("physical id", "0"), fields["core id"])
+            threads_per_core[core] = threads_per_core.get(core, 0) + 1
+    siblings = max(threads_per_core.values(), default=1)
+    return max(1, allowed // siblings)
+
+
+@dataclass(eq=False)
+class _Loop:
+    """One context and the sequences it decodes: a unified KV cache, ``slots`` sequence ids for requests and
+    ``cache.capacity`` more for the prompt cache."""
+
+    ctx: object
+    mem: object
+    batch: object
+    free: list[int]
+    cache: PromptCache
+    active: list[_Seq] = field(default_factory=list)
+    current: tuple | None = None  # the adapter set attached to the context
+    turn: int = 0  # round-robin start among adapter sets
+    done_unloads: set[str] = field(default_factory=set)
+
+
 class LlamaCppEngine:
-    def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_workers: int = 2, n_threads: int | None = None,
-                 kv_f32: bool = False, n_seq_max: int = 8) -> None:
+    def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_workers: int = 1, n_threads: int | None = None,
+                 kv_f32: bool = False, n_seq_max: int = 8, prompt_cache: bool = True, cache_entries: int = 8
+                 ) -> None:
         import llama_cpp
 
         self.lc = llama_cpp
@@ -71,41 +112,52 @@ class LlamaCppEngine:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
-        self.n_seq_max = n_seq_max
+        self.n_seq_max = n_seq_max  # sequences one loop decodes together
         self.n_workers = n_workers
+        self.prompt_cache = prompt_cache
+        self.cache_entries = cache_entries if prompt_cache else 0
+        self.n_threads = n_threads or max(1, physical_cores() // n_workers)
         self._adapters: dict[str, object] = {}
         self._lock = threading.Lock()
-        # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a context
-        # decoding with one load of a name never admits a request made against a later reload of it.
+        # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a loop
+        # never admits a request made against an earlier load of a name, and cached cells never outlive a load.
         self._loads = itertools.count(1)
         self._generation: dict[str, int] = {}
         self._cv = threading.Condition()
         self._pending: list[list[_Seq]] = []  # requests waiting, each as its choices
-        self._attached: dict[int, tuple] = {}  # worker context -> the adapter set attached to it
+        self._unloading: set[str] = set()  # names each loop must stop using (and drop from its cache)
         self._closed = False
-        self.max_batch_seqs = 0  # the most sequences decoded together so far (observability, tests)
-        self._contexts = []
+        self.max_batch_seqs = 0  # the most sequences decoded in one step so far (observability, tests)
+        self.max_step_adapter_sets = 0  # the most adapter sets decoded in one step so far
+        self._loops: list[_Loop] = []
         for _ in range(n_workers):
-            cp = llama_cpp.llama_context_default_params()
-            cp.n_ctx = cp.n_batch = n_ctx * n_seq_max  # one shared (unified) cache, n_ctx per sequence
-            cp.n_ubatch = min(cp.n_ctx, 512)
-            cp.n_seq_max = n_seq_max
-            cp.kv_unified = True
-            # llama.cpp's default is 4 threads per context: on a small machine that oversubscribes the cores
-            cp.n_threads = cp.n_threads_batch = n_threads or max(1, os.cpu_count() or 1)
-            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            if kv_f32:
-                cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
-            ctx = llama_cpp.llama_init_from_model(self.model, cp)
-            if not ctx:
-                self.close()
-                raise UserError(f"llama.cpp could not create a context of {n_ctx * n_seq_max} cells",
-                                "lower --n-ctx or --workers; --log-level debug shows llama.cpp's reason")
-            self._contexts.append(ctx)
-        self._workers = [threading.Thread(target=self._worker, args=(ctx,), daemon=True, name=f"llamacpp-{i}")
-                         for i, ctx in enumerate(self._contexts)]
+            ctx = self._context(kv_f32)
+            seq_ids = n_seq_max + self.cache_entries
+            self._loops.append(_Loop(ctx, llama_cpp.llama_get_memory(ctx),
+                                     llama_cpp.llama_batch_init(n_ctx * n_seq_max, 0, seq_ids),
+                                     list(range(seq_ids)), PromptCache(self.cache_entries)))
+        self._workers = [threading.Thread(target=self._worker, args=(loop,), daemon=True, name=f"llamacpp-{i}")
+                         for i, loop in enumerate(self._loops)]
         for t in self._workers:
             t.start()
+
+    def _context(self, kv_f32: bool):
+        lc = self.lc
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = self.n_ctx * self.n_seq_max  # one shared (unified) cache, n_ctx per sequence
+        cp.n_ubatch = min(cp.n_ctx, 512)
+        cp.n_seq_max = self.n_seq_max + self.cache_entries
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = self.n_threads  # llama.cpp's default (4) oversubscribes small machines
+        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if kv_f32:
+            cp.type_k = cp.type_v = lc.GGML_TYPE_F32
+        ctx = lc.llama_init_from_model(self.model, cp)
+        if not ctx:
+            self.close()
+            raise UserError(f"llama.cpp could not create a context of {cp.n_ctx} cells",
+                            "lower --n-ctx; --log-level debug shows llama.cpp's reason")
+        return ctx
 
     # -- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> int:
@@ -119,25 +171,38 @@ class LlamaCppEngine:
         return nbytes
 
     def unload_adapter(self, name: str) -> None:
-        """Free ``name`` once no context decodes with it: a request that was just cancelled may still be in
-        its last step, and freeing an adapter attached to a context would crash llama.cpp."""
+        """Free ``name`` once every loop has stopped using it: its running sequences finished, its cached cells
+        dropped, the context detached from it (freeing an adapter a context holds would crash llama.cpp)."""
         with self._cv:
-            while any(n == name for key in self._attached.values() for n, _, _ in key):
+            self._unloading.add(name)
+            self._cv.notify_all()
+            while not all(name in loop.done_unloads for loop in self._loops) and not self._closed:
                 self._cv.wait()
+            for loop in self._loops:
+                loop.done_unloads.discard(name)
+            self._unloading.discard(name)
             with self._lock:
                 ptr = self._adapters.pop(name)
                 self._generation.pop(name, None)
         self.lc.llama_adapter_lora_free(ptr)
 
-    # -- generation: continuous batching per adapter set ------------------------------------------
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """Prompt-cache counters summed over the loops."""
+        loops = self._loops
+        return {"prompt_cache_hits_total": sum(lp.cache.stats.hits for lp in loops),
+                "prompt_cache_hit_tokens_total": sum(lp.cache.stats.hit_tokens for lp in loops),
+                "prompt_cache_misses_total": sum(lp.cache.stats.misses for lp in loops),
+                "prompt_cache_entries": sum(len(lp.cache) for lp in loops)}
+
+    # -- requests -------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[int]:
         """Tokens of the first choice one at a time for ``request`` (prompt already tokenized)."""
         return tokens_of(self.events(request))
 
     def events(self, request: GenerationRequest) -> Iterator[Event]:
-        """The events of ``request`` (prompt already tokenized). Requests with the same adapter set are decoded
-        together in one context; a context only switches sets when it has drained. The ``n`` choices share
-        the prompt's KV cells (decoded once, then copied by reference)."""
+        """The events of ``request`` (prompt already tokenized), submitted at once. The ``n`` choices share the
+        prompt's KV cells (decoded once, then copied by reference)."""
         prompt = list(request.prompt_tokens)
         if not prompt or len(prompt) + request.max_tokens > self.n_ctx:
             raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
@@ -157,10 +222,12 @@ class LlamaCppEngine:
             for sq in group:
                 sq.grammar = self._grammar(request.grammar, group)
         with self._cv:
-            if self._closed:
+            if self._closed or any(n in self._unloading for n in request.adapters):
                 for sq in group:
                     self._free_grammar(sq)
-                raise RuntimeError("engine closed")
+                if self._closed:
+                    raise RuntimeError("engine closed")
+                raise UserError("the request's adapter is being unloaded", "retry the request")
             self._pending.append(group)
             self._cv.notify_all()
         return group[0].events()
@@ -179,8 +246,89 @@ class LlamaCppEngine:
             self.lc.llama_sampler_free(sq.grammar)
             sq.grammar = None
 
-    def _set_adapters(self, ctx, key: tuple) -> None:
-        """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``ctx``."""
+    # -- the decode loop --------------------------------------------------------------------------
+    def _worker(self, loop: _Loop) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._closed or loop.active or self._pending
+                               or self._unloading - loop.done_unloads):
+                        self._cv.wait()
+                    if self._closed:
+                        self._fail(loop, RuntimeError("engine closed"))
+                        return
+                    if self._unloading - loop.done_unloads:
+                        self._release_unloaded(loop)
+                        self._cv.notify_all()
+                    new = self._claim(loop)
+                try:
+                    self._admit(loop, new)
+                    self._step(loop)
+                except Exception as e:  # noqa: BLE001 - delivered to the requests this loop holds
+                    self._fail(loop, e)
+        finally:
+            self.lc.llama_batch_free(loop.batch)
+
+    def _claim(self, loop: _Loop) -> list[list[_Seq]]:
+        """Whole pending requests, oldest first, that fit the loop's free sequence ids (cache entries give
+        theirs back when needed); lock held."""
+        room = min(len(loop.free) + len(loop.cache), self.n_seq_max - len(loop.active))
+        taken = []
+        while self._pending and len(self._pending[0]) <= room:
+            group = self._pending.pop(0)
+            if any(n in self._unloading for n, _, _ in group[0].key):
+                group[0].out.put(UserError("the request's adapter is being unloaded", "retry the request"))
+                for sq in group:
+                    self._free_grammar(sq)
+                continue
+            taken.append(group)
+            room -= len(group)
+        return taken
+
+    def _admit(self, loop: _Loop, groups: list[list[_Seq]]) -> None:
+        """Sequence ids for new requests, and the longest cached prefix under the same adapter set."""
+        lc = self.lc
+        for group in groups:
+            loop.active += group  # from here a failure reaches them
+            while len(loop.free) < len(group):
+                self._forget(loop, loop.cache.evict())
+            for sq in group:
+                sq.seq_id = loop.free.pop()
+            first = group[0]
+            if loop.cache.capacity and first.req.cache_prompt and not first.req.prompt_logprobs:
+                hit = loop.cache.lookup(first.key, first.req.prompt_tokens)
+                if hit:
+                    entry, n = hit
+                    lc.llama_memory_seq_cp(loop.mem, entry.seq_id, first.seq_id, 0, n)
+                    first.pos, first.fed = n, list(first.req.prompt_tokens[:n])
+
+    def _step(self, loop: _Loop) -> None:
+        """One decode per adapter set among the active sequences, round-robin from the set after last step's."""
+        keys = list(dict.fromkeys(sq.key for sq in loop.active))
+        if not keys:
+            return
+        start = loop.turn % len(keys)
+        loop.turn += 1
+        self.max_batch_seqs = max(self.max_batch_seqs, len(loop.active))
+        self.max_step_adapter_sets = max(self.max_step_adapter_sets, len(keys))
+        for key in keys[start:] + keys[:start]:
+            group = [sq for sq in loop.active if sq.key == key]
+            try:
+                self._attach(loop, key)
+                finished = self._decode(loop, group)
+            except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
+                for sq in group:
+                    sq.out.put(e)
+                finished = group
+            for sq in finished:
+                self._finish(loop, sq)
+            gone = {id(sq) for sq in finished}
+            loop.active = [sq for sq in loop.active if id(sq) not in gone]
+
+    def _attach(self, loop: _Loop, key: tuple) -> None:
+        """Attach the adapter set ``key`` ((name, scale, generation), ...) to the loop's context."""
+        if loop.current == key:
+            return
         lc = self.lc
         with self._lock:
             gone = [name for name, _, gen in key if self._generation.get(name) != gen]
@@ -191,124 +339,107 @@ class LlamaCppEngine:
         if n:
             arr = (lc.llama_adapter_lora_p_ctypes * n)(*ptrs)
             scales = (ctypes.c_float * n)(*(scale for _, scale, _ in key))
-            lc.llama_set_adapters_lora(ctx, arr, n, scales)
+            lc.llama_set_adapters_lora(loop.ctx, arr, n, scales)
         else:
-            lc.llama_set_adapters_lora(ctx, None, 0, None)
+            lc.llama_set_adapters_lora(loop.ctx, None, 0, None)
+        loop.current = key
 
-    def _claim(self, key: tuple | None, slots: int) -> list[_Seq]:
-        """Whole pending requests (all their choices) for ``key`` (or, if None, the oldest request's key) that
-        fit ``slots`` sequences; lock held."""
-        if not self._pending or slots <= 0:
-            return []
-        if key is None:
-            key = self._pending[0][0].key
-        elif any(g[0].key != key for g in self._pending):
-            return []  # another adapter set is waiting: drain this one so the context can switch
-        taken: list[_Seq] = []
-        for group in [g for g in self._pending if g[0].key == key]:
-            if len(taken) + len(group) > slots:
-                break
-            self._pending.remove(group)
-            taken += group
-        return taken
+    def _decode(self, loop: _Loop, group: list[_Seq]) -> list[_Seq]:
+        """Feed each sequence of one adapter set (its prompt's remainder, or its last token), decode, sample;
+        the sequences that finished."""
+        lc, batch = self.lc, loop.batch
+        n = 0
+        rows: list[tuple[_Seq, int]] = []
+        prefilled: list[tuple[_Seq, int]] = []  # (first choice, its first prompt row) of prompts fed this step
+        for sq in group:
+            if not sq.prefilled and sq.index > 0:  # another choice of a request prefilled in this batch
+                rows.append((sq, rows[-1][1]))
+                continue
+            feed = sq.req.prompt_tokens[sq.pos:] if not sq.prefilled else [sq.last]
+            every = not sq.prefilled and sq.req.prompt_logprobs  # echo scores every prompt token
+            if not sq.prefilled:
+                prefilled.append((sq, n))
+            for j, tok in enumerate(feed):
+                batch.token[n] = tok
+                batch.pos[n] = sq.pos + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = sq.seq_id
+                batch.logits[n] = every or j == len(feed) - 1
+                n += 1
+            rows.append((sq, n - 1))
+            sq.pos += len(feed)
+            sq.fed += feed
+            sq.prefilled = True
+        batch.n_tokens = n
+        while (ret := lc.llama_decode(loop.ctx, batch)) == 1 and len(loop.cache):
+            self._forget(loop, loop.cache.evict())  # no room for the batch: give cached cells back
+        if ret != 0:
+            raise RuntimeError(f"llama_decode failed ({ret})" + (": the KV cache is full" if ret == 1 else ""))
+        for first, start in prefilled:
+            for sq in first.group[1:]:  # the other choices share the prompt's cells
+                lc.llama_memory_seq_cp(loop.mem, first.seq_id, sq.seq_id, -1, -1)
+                sq.pos, sq.fed, sq.prefilled = first.pos, list(first.fed), True
+            if first.req.prompt_logprobs:
+                first.out.put(self._prompt_scores(loop.ctx, first.req, start))
+        finished = []
+        for sq, row in rows:
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(loop.ctx, row), shape=(self.n_vocab,))
+            if sq.req.max_tokens <= 0:  # scored, nothing to generate
+                sq.out.put(Done(sq.index))
+                finished.append(sq)
+                continue
+            allowed = self._constrain(sq, logits) if sq.grammar is not None else logits
+            if sq.grammar is not None and not np.isfinite(allowed).any():
+                sq.out.put(Done(sq.index))  # the grammar admits nothing more
+                finished.append(sq)
+                continue
+            tok = sample(allowed, sq.req, sq.rng)
+            eog = lc.llama_vocab_is_eog(self.vocab, tok)
+            if sq.grammar is not None and not eog:
+                lc.llama_sampler_accept(sq.grammar, tok)
+                sq.utf8_pending = self._utf8.after(sq.utf8_pending, tok)
+            if sq.emit(tok, eog, logits):
+                finished.append(sq)
+        return finished
 
-    def _worker(self, ctx) -> None:
-        lc = self.lc
-        mem = lc.llama_get_memory(ctx)
-        batch = lc.llama_batch_init(self.n_ctx * self.n_seq_max, 0, self.n_seq_max)
-        try:
-            while True:
-                with self._cv:
-                    while not self._pending and not self._closed:
-                        self._cv.wait()
-                    if self._closed:
-                        return
-                    active = self._claim(None, self.n_seq_max)
-                    key = active[0].key
-                    self._attached[id(ctx)] = key  # before the pointers are read: unload waits for it
-                lc.llama_memory_clear(mem, True)  # never reuse a cache across adapter sets
-                try:
-                    self._set_adapters(ctx, key)
-                    self._run(ctx, mem, batch, active, key)
-                except BaseException as e:  # noqa: BLE001 - delivered to the waiting requests
-                    for sq in active:
-                        sq.out.put(e if isinstance(e, Exception) else RuntimeError(str(e)))
-                        self._free_grammar(sq)
-                finally:
-                    lc.llama_set_adapters_lora(ctx, None, 0, None)  # no context keeps a pointer to an adapter
-                    with self._cv:
-                        del self._attached[id(ctx)]
-                        self._cv.notify_all()
-        finally:
-            lc.llama_batch_free(batch)
+    def _finish(self, loop: _Loop, sq: _Seq) -> None:
+        """A sequence is done: its cells become a prompt-cache entry (the first choice, when caching), or free."""
+        self._free_grammar(sq)
+        if sq.seq_id < 0:
+            return
+        if loop.cache.capacity and sq.index == 0 and sq.req.cache_prompt and sq.fed:
+            for sid in loop.cache.add(sq.key, sq.fed, sq.seq_id):
+                self._forget(loop, sid)
+        else:
+            self._forget(loop, sq.seq_id)
+        sq.seq_id = -1
 
-    def _run(self, ctx, mem, batch, active: list[_Seq], key: tuple) -> None:
-        lc = self.lc
-        free_ids = list(range(self.n_seq_max))
-        for sq in active:
-            sq.seq_id = free_ids.pop(0)
-        while active:
-            if self._closed:
-                raise RuntimeError("engine closed")  # the worker hands it to every active request
-            n = 0
-            rows: list[tuple[_Seq, int]] = []
-            prefilled: dict[int, tuple[_Seq, int]] = {}  # id(group) -> (first choice, its first prompt row)
-            for sq in active:
-                if sq.pos == 0 and sq.index > 0:  # another choice of a request prefilled in this batch
-                    rows.append((sq, rows[-1][1]))
-                    continue
-                feed = sq.req.prompt_tokens if sq.pos == 0 else [sq.last]
-                every = sq.pos == 0 and sq.req.prompt_logprobs  # echo scores every prompt token
-                if sq.pos == 0:
-                    prefilled[id(sq.group)] = (sq, n)
-                for j, tok in enumerate(feed):
-                    batch.token[n] = tok
-                    batch.pos[n] = sq.pos + j
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = sq.seq_id
-                    batch.logits[n] = every or j == len(feed) - 1
-                    n += 1
-                rows.append((sq, n - 1))
-                sq.pos += len(feed)
-            batch.n_tokens = n
-            self.max_batch_seqs = max(self.max_batch_seqs, len(rows))
-            if lc.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-            for first, start in prefilled.values():
-                for sq in first.group[1:]:  # the other choices share the prompt's cells
-                    lc.llama_memory_seq_cp(mem, first.seq_id, sq.seq_id, -1, -1)
-                    sq.pos = first.pos
-                if first.req.prompt_logprobs:
-                    first.out.put(self._prompt_scores(ctx, first.req, start))
-            still = []
-            for sq, row in rows:
-                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
-                if sq.req.max_tokens <= 0:  # scored, nothing to generate
-                    sq.out.put(Done(sq.index))
-                    done = True
-                else:
-                    allowed = self._constrain(sq, logits) if sq.grammar is not None else logits
-                    if sq.grammar is not None and not np.isfinite(allowed).any():
-                        sq.out.put(Done(sq.index))  # the grammar admits nothing more
-                        done = True
-                    else:
-                        tok = sample(allowed, sq.req, sq.rng)
-                        eog = lc.llama_vocab_is_eog(self.vocab, tok)
-                        if sq.grammar is not None and not eog:
-                            lc.llama_sampler_accept(sq.grammar, tok)
-                            sq.utf8_pending = self._utf8.after(sq.utf8_pending, tok)
-                        done = sq.emit(tok, eog, logits)
-                if done:
-                    lc.llama_memory_seq_rm(mem, sq.seq_id, -1, -1)
-                    free_ids.append(sq.seq_id)
-                    self._free_grammar(sq)
-                else:
-                    still.append(sq)
-            active[:] = still  # the worker sees who is active if a step fails
-            with self._cv:  # continuous batching: same adapter set joins at the next step
-                for sq in self._claim(key, len(free_ids)):
-                    sq.seq_id = free_ids.pop(0)
-                    active.append(sq)
+    def _forget(self, loop: _Loop, seq_id: int) -> None:
+        self.lc.llama_memory_seq_rm(loop.mem, seq_id, -1, -1)
+        loop.free.append(seq_id)
+
+    def _release_unloaded(self, loop: _Loop) -> None:
+        """For each adapter being unloaded that no active sequence uses: drop its cached cells and detach it;
+        lock held."""
+        for name in self._unloading - loop.done_unloads:
+            if any(n == name for sq in loop.active for n, _, _ in sq.key):
+                continue
+            for sid in loop.cache.drop(name):
+                self._forget(loop, sid)
+            if loop.current and any(n == name for n, _, _ in loop.current):
+                self.lc.llama_set_adapters_lora(loop.ctx, None, 0, None)
+                loop.current = None
+            loop.done_unloads.add(name)
+
+    def _fail(self, loop: _Loop, e: Exception) -> None:
+        """Hand ``e`` to every request the loop holds and free their sequences."""
+        for sq in loop.active:
+            sq.out.put(e)
+            self._free_grammar(sq)
+            if sq.seq_id >= 0:
+                self._forget(loop, sq.seq_id)
+                sq.seq_id = -1
+        loop.active = []
 
     def _prompt_scores(self, ctx, req: GenerationRequest, start: int) -> PromptScores:
         """Each prompt token's log-probability after the first, from the rows decoded at ``start``..."""
@@ -382,9 +513,9 @@ class LlamaCppEngine:
             self._cv.notify_all()
         for t in getattr(self, "_workers", []):
             t.join(timeout=30)
-        for ctx in self._contexts:
-            self.lc.llama_free(ctx)
-        self._contexts = []
+        for loop in self._loops:
+            self.lc.llama_free(loop.ctx)
+        self._loops = []
         with self._lock:
             for ptr in self._adapters.values():
                 self.lc.llama_adapter_lora_free(ptr)
