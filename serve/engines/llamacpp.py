@@ -70,6 +70,26 @@ def physical_cores() -> int:
     return max(1, allowed // siblings)
 
 
+class _Batch:
+    """A llama_batch over numpy arrays: filled by slices, not token by token (one sequence id per token, so
+    ``seq_id[i]`` points at row i of one int32 column)."""
+
+    def __init__(self, lc, capacity: int) -> None:
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        base = self.seq.ctypes.data
+        self.seq_ptrs = (ctypes.POINTER(lc.llama_seq_id) * capacity)(
+            *(ctypes.cast(base + 4 * i, ctypes.POINTER(lc.llama_seq_id)) for i in range(capacity)))
+        self.struct = lc.llama_batch(
+            n_tokens=0, token=self.token.ctypes.data_as(ctypes.POINTER(lc.llama_token)), embd=None,
+            pos=self.pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos)),
+            n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), seq_id=self.seq_ptrs,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)))
+
+
 @dataclass(eq=False)
 class _Loop:
     """One context and the sequences it decodes: a unified KV cache, ``slots`` sequence ids for requests and
@@ -77,7 +97,7 @@ class _Loop:
 
     ctx: object
     mem: object
-    batch: object
+    batch: _Batch
     free: list[int]
     cache: PromptCache
     active: list[_Seq] = field(default_factory=list)
@@ -133,8 +153,7 @@ class LlamaCppEngine:
         for _ in range(n_workers):
             ctx = self._context(kv_f32)
             seq_ids = n_seq_max + self.cache_entries
-            self._loops.append(_Loop(ctx, llama_cpp.llama_get_memory(ctx),
-                                     llama_cpp.llama_batch_init(n_ctx * n_seq_max, 0, seq_ids),
+            self._loops.append(_Loop(ctx, llama_cpp.llama_get_memory(ctx), _Batch(llama_cpp, n_ctx * n_seq_max),
                                      list(range(seq_ids)), PromptCache(self.cache_entries)))
         self._workers = [threading.Thread(target=self._worker, args=(loop,), daemon=True, name=f"llamacpp-{i}")
                          for i, loop in enumerate(self._loops)]
@@ -248,26 +267,22 @@ class LlamaCppEngine:
 
     # -- the decode loop --------------------------------------------------------------------------
     def _worker(self, loop: _Loop) -> None:
-        try:
-            while True:
-                with self._cv:
-                    while not (self._closed or loop.active or self._pending
-                               or self._unloading - loop.done_unloads):
-                        self._cv.wait()
-                    if self._closed:
-                        self._fail(loop, RuntimeError("engine closed"))
-                        return
-                    if self._unloading - loop.done_unloads:
-                        self._release_unloaded(loop)
-                        self._cv.notify_all()
-                    new = self._claim(loop)
-                try:
-                    self._admit(loop, new)
-                    self._step(loop)
-                except Exception as e:  # noqa: BLE001 - delivered to the requests this loop holds
-                    self._fail(loop, e)
-        finally:
-            self.lc.llama_batch_free(loop.batch)
+        while True:
+            with self._cv:
+                while not (self._closed or loop.active or self._pending or self._unloading - loop.done_unloads):
+                    self._cv.wait()
+                if self._closed:
+                    self._fail(loop, RuntimeError("engine closed"))
+                    return
+                if self._unloading - loop.done_unloads:
+                    self._release_unloaded(loop)
+                    self._cv.notify_all()
+                new = self._claim(loop)
+            try:
+                self._admit(loop, new)
+                self._step(loop)
+            except Exception as e:  # noqa: BLE001 - delivered to the requests this loop holds
+                self._fail(loop, e)
 
     def _claim(self, loop: _Loop) -> list[list[_Seq]]:
         """Whole pending requests, oldest first, that fit the loop's free sequence ids (cache entries give
@@ -347,7 +362,7 @@ class LlamaCppEngine:
     def _decode(self, loop: _Loop, group: list[_Seq]) -> list[_Seq]:
         """Feed each sequence of one adapter set (its prompt's remainder, or its last token), decode, sample;
         the sequences that finished."""
-        lc, batch = self.lc, loop.batch
+        lc, b = self.lc, loop.batch
         n = 0
         rows: list[tuple[_Seq, int]] = []
         prefilled: list[tuple[_Seq, int]] = []  # (first choice, its first prompt row) of prompts fed this step
@@ -356,22 +371,23 @@ class LlamaCppEngine:
                 rows.append((sq, rows[-1][1]))
                 continue
             feed = sq.req.prompt_tokens[sq.pos:] if not sq.prefilled else [sq.last]
-            every = not sq.prefilled and sq.req.prompt_logprobs  # echo scores every prompt token
+            k = len(feed)
+            b.token[n:n + k] = feed
+            b.pos[n:n + k] = np.arange(sq.pos, sq.pos + k)
+            b.seq[n:n + k] = sq.seq_id
             if not sq.prefilled:
                 prefilled.append((sq, n))
-            for j, tok in enumerate(feed):
-                batch.token[n] = tok
-                batch.pos[n] = sq.pos + j
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = sq.seq_id
-                batch.logits[n] = every or j == len(feed) - 1
-                n += 1
+                b.logits[n:n + k] = sq.req.prompt_logprobs  # echo scores every prompt token
+            else:
+                b.logits[n] = 0
+            b.logits[n + k - 1] = 1
+            n += k
             rows.append((sq, n - 1))
-            sq.pos += len(feed)
+            sq.pos += k
             sq.fed += feed
             sq.prefilled = True
-        batch.n_tokens = n
-        while (ret := lc.llama_decode(loop.ctx, batch)) == 1 and len(loop.cache):
+        b.struct.n_tokens = n
+        while (ret := lc.llama_decode(loop.ctx, b.struct)) == 1 and len(loop.cache):
             self._forget(loop, loop.cache.evict())  # no room for the batch: give cached cells back
         if ret != 0:
             raise RuntimeError(f"llama_decode failed ({ret})" + (": the KV cache is full" if ret == 1 else ""))
@@ -381,24 +397,35 @@ class LlamaCppEngine:
                 sq.pos, sq.fed, sq.prefilled = first.pos, list(first.fed), True
             if first.req.prompt_logprobs:
                 first.out.put(self._prompt_scores(loop.ctx, first.req, start))
+        # the logits of every output row at once: greedy rows are chosen in one argmax
+        flagged = np.flatnonzero(b.logits[:n])
+        out_row = {int(r): i for i, r in enumerate(flagged)}
+        logits = np.ctypeslib.as_array(lc.llama_get_logits(loop.ctx), shape=(len(flagged), self.n_vocab))
+        plain = [i for i, (sq, _) in enumerate(rows)
+                 if sq.req.temperature <= 0 and sq.grammar is None and sq.req.logprobs is None]
+        greedy = dict(zip(plain, logits[[out_row[rows[i][1]] for i in plain]].argmax(axis=1).tolist(),
+                          strict=True)) if plain else {}
         finished = []
-        for sq, row in rows:
-            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(loop.ctx, row), shape=(self.n_vocab,))
+        for i, (sq, row) in enumerate(rows):
             if sq.req.max_tokens <= 0:  # scored, nothing to generate
                 sq.out.put(Done(sq.index))
                 finished.append(sq)
                 continue
-            allowed = self._constrain(sq, logits) if sq.grammar is not None else logits
-            if sq.grammar is not None and not np.isfinite(allowed).any():
-                sq.out.put(Done(sq.index))  # the grammar admits nothing more
-                finished.append(sq)
-                continue
-            tok = sample(allowed, sq.req, sq.rng)
+            own = logits[out_row[row]]
+            if i in greedy:
+                tok = greedy[i]
+            else:
+                allowed = self._constrain(sq, own) if sq.grammar is not None else own
+                if sq.grammar is not None and not np.isfinite(allowed).any():
+                    sq.out.put(Done(sq.index))  # the grammar admits nothing more
+                    finished.append(sq)
+                    continue
+                tok = sample(allowed, sq.req, sq.rng)
             eog = lc.llama_vocab_is_eog(self.vocab, tok)
             if sq.grammar is not None and not eog:
                 lc.llama_sampler_accept(sq.grammar, tok)
                 sq.utf8_pending = self._utf8.after(sq.utf8_pending, tok)
-            if sq.emit(tok, eog, logits):
+            if sq.emit(tok, eog, own):
                 finished.append(sq)
         return finished
 
