@@ -1,11 +1,18 @@
-"""Serving benchmark (llama.cpp engine): mixed-adapter throughput vs base-only, hot-load latency, memory.
+"""Serving benchmark (llama.cpp engine), side by side with llama.cpp's own llama-server in one run.
 
-A generated ~125M-parameter llama (hidden 768, 12 layers, vocab 32000, random weights, SentencePiece
-tokenizer) exported to GGUF Q8_0 with 32 r=16 LoRAs, served by tuneport's engine in this process.
-With --llama-server BIN (built by benchmarks/build_llama_server.sh) the same HTTP traffic also goes to
-`tuneport serve` and to llama.cpp's own llama-server (8 LoRAs preloaded, per-request `lora` list), both
-as separate processes, side by side.
-Run: python benchmarks/serve_llamacpp.py [--workdir DIR] [--requests N] [--concurrency C] [--llama-server BIN]
+Models, generated with random weights and a SentencePiece tokenizer, each with 32 r=16 LoRAs on q/k/v/o:
+``125m`` (hidden 768, 12 layers, vocab 32000) as Q8_0, and ``1b`` (TinyLlama's shape: hidden 2048, 22 layers,
+32 heads / 4 KV heads) as Q4_K_M. Both servers run as separate processes over HTTP with every adapter loaded,
+the same thread count (physical cores) and 8 sequences (llama-server: 8 slots).
+
+Per model, concurrency (4, 8) and traffic (base only, one adapter, 8 and 32 adapters round robin): tokens/s,
+p50 and p99 request latency, 32 tokens per request from distinct 16-token prompts (no prompt reuse).
+Then time to first token with a shared 512-token system prompt: the first request (a miss) against the next
+ones (same system prompt, a new question: a hit where the server caches prompts).
+
+Run: python benchmarks/serve_llamacpp.py --llama-server .bench/llama-server/bin/llama-server
+     [--models 125m,1b] [--requests 48] [--workdir .bench/serve]
+(benchmarks/build_llama_server.sh builds llama-server from the vendored source of the llama-cpp-python sdist.)
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,21 +41,33 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
 from tuneport.convert.io import ShardedSafetensorsWriter  # noqa: E402
 
-H, INTER, LAYERS, HEADS, KV, VOCAB, R = 768, 2048, 12, 12, 4, 32000, 16
+R, N_ADAPTERS, SLOTS, N_CTX = 16, 32, 8, 1024
 
 
-def rss_mb() -> float:
-    return int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS")).split()[1]) / 1024
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv: int
+    quant: str
+    requests_scale: float = 1.0  # fewer requests where each is slow
 
 
-def make_model(root: Path, n_adapters: int) -> tuple[Path, list[Path]]:
+MODELS = {"125m": ModelShape(768, 2048, 12, 12, 4, "q8_0"),
+          "1b": ModelShape(2048, 5632, 22, 32, 4, "q4_k_m", 0.34)}
+VOCAB = 32000
+
+
+def make_model(root: Path, shape: ModelShape) -> tuple[Path, list[Path]]:
     from safetensors.torch import save_file
 
     from tuneport.toolkit.tiny.tokenizers import write_sentencepiece
 
     base = root / "base"
     base.mkdir(parents=True)
-    specs = llama_specs(H, INTER, LAYERS, HEADS, KV, VOCAB)
+    specs = llama_specs(shape.hidden, shape.inter, shape.layers, shape.heads, shape.kv, VOCAB)
     w = ShardedSafetensorsWriter(base, specs)
     gen = torch.Generator().manual_seed(0)
     for s in specs:
@@ -54,13 +75,14 @@ def make_model(root: Path, n_adapters: int) -> tuple[Path, list[Path]]:
         w.write(s.name, (torch.randn(s.shape, generator=gen) * scale).to(torch.bfloat16))
     w.close()
     (base / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
-        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV, "vocab_size": VOCAB,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}))
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
+        "intermediate_size": shape.inter, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv, "vocab_size": VOCAB, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}))
     write_sentencepiece(base)
     adapters = []
-    for i in range(n_adapters):
+    for i in range(N_ADAPTERS):
         d = root / "peft" / f"a{i}"
         d.mkdir(parents=True)
         tensors = {}
@@ -77,160 +99,198 @@ def make_model(root: Path, n_adapters: int) -> tuple[Path, list[Path]]:
     return base, adapters
 
 
-def run_traffic(engine, names: list[str | None], n_requests: int, concurrency: int, max_tokens: int):
-    from tuneport.serve.engines.llamacpp import GenerationRequest
+# -- the two servers, spoken to over HTTP ----------------------------------------------------------------
+@dataclass
+class Server:
+    label: str
+    url: str
+    proc: subprocess.Popen
+    path: str  # the completion route
+    names: list[str]  # adapter names (llama-server: their ids as strings)
+    base_name: str
 
-    prompt = [1] + [100 + i for i in range(15)]
-    lat: list[float] = []
-    lock = threading.Lock()
+    def body(self, prompt: list[int], adapter: str | None, max_tokens: int, stream: bool = False) -> dict:
+        if self.label == "llama-server":
+            lora = [{"id": int(adapter), "scale": 1.0}] if adapter is not None else []
+            return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "lora": lora,
+                    "stream": stream, "cache_prompt": True}
+        return {"model": adapter or self.base_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
 
-    def one(k: int) -> int:
-        name = names[k % len(names)]
-        t0 = time.perf_counter()
-        toks = list(engine.generate(GenerationRequest(prompt, {name: 1.0} if name else {}, max_tokens=max_tokens,
-                                                      ignore_eos=True)))
-        with lock:
-            lat.append(time.perf_counter() - t0)
-        return len(toks)
+    @staticmethod
+    def tokens(label: str, answer: dict) -> int:
+        return int(answer["tokens_predicted"]) if label == "llama-server" else int(answer["usage"]["completion_tokens"])
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as ex:
-        total = sum(ex.map(one, range(n_requests)))
-    wall = time.perf_counter() - t0
-    lat.sort()
-    return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
 
 
-def http_traffic(url: str, bodies: list[dict], path: str, concurrency: int, count_key) -> tuple[float, float, float]:
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    from tuneport.serve.http import wait_for_health
+
+    if not wait_for_health(url, timeout, interval_s=0.2, alive=lambda: proc.poll() is None):
+        raise RuntimeError(f"{url} did not come up")
+
+
+def start_llama_server(binary: Path, model: Path, loras: list[Path], threads: int, port: int) -> Server:
+    proc = subprocess.Popen([str(binary), "-m", str(model), *sum((["--lora", str(p)] for p in loras), []),
+                             "--lora-init-without-apply", "-np", str(SLOTS), "-c", str(N_CTX * SLOTS), "-t",
+                             str(threads), "-tb", str(threads), "--port", str(port), "-ngl", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Server("llama-server", f"http://127.0.0.1:{port}", proc, "/completion",
+                    [str(i) for i in range(len(loras))], "")
+    wait_http(server.url, proc)
+    return server
+
+
+def start_tuneport(model: Path, loras: list[Path], port: int, workers: int = 1) -> Server:
+    names = [p.stem.replace("-F32", "") for p in loras]
+    proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
+                             *sum((["--adapter", f"{n}={p}"] for n, p in zip(names, loras, strict=True)), []),
+                             "--max-adapters", str(len(loras)), "--port", str(port), "--n-ctx", str(N_CTX),
+                             "--workers", str(workers)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    label = "tuneport serve" if workers == 1 else f"tuneport serve, {workers} loops"
+    server = Server(label, f"http://127.0.0.1:{port}", proc, "/v1/completions", names, model.stem)
+    wait_http(server.url, proc)
+    return server
+
+
+def traffic(server: Server, adapters: list[str | None], n: int, concurrency: int, max_tokens: int,
+            offset: int) -> tuple[float, float, float]:
+    """tokens/s, p50 and p99 latency of ``n`` requests, ``concurrency`` at a time, adapters round robin."""
     import httpx
 
     lat: list[float] = []
     lock = threading.Lock()
-    client = httpx.Client(base_url=url, timeout=600)
+    client = httpx.Client(base_url=server.url, timeout=1200)
 
-    def one(body: dict) -> int:
+    def one(k: int) -> int:
+        prompt = [1] + [(offset + 97 * k + 13 * j) % (VOCAB - 100) + 50 for j in range(15)]  # distinct prompts
         t0 = time.perf_counter()
-        r = client.post(path, json=body)
+        r = client.post(server.path, json=server.body(prompt, adapters[k % len(adapters)], max_tokens))
         r.raise_for_status()
         with lock:
             lat.append(time.perf_counter() - t0)
-        return count_key(r.json())
+        return Server.tokens(server.label, r.json())
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
-        total = sum(ex.map(one, bodies))
+        total = sum(ex.map(one, range(n)))
     wall = time.perf_counter() - t0
     lat.sort()
     return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
 
 
-def wait_http(url: str, timeout: float = 120) -> None:
-    from tuneport.serve.http import wait_for_health
+def first_token_s(server: Server, prompt: list[int], adapter: str | None) -> float:
+    """Seconds from sending a streamed request to its first token."""
+    import httpx
 
-    if not wait_for_health(url, timeout, interval_s=0.2):
-        raise RuntimeError(f"{url} did not come up")
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=server.url, timeout=600) as c, \
+            c.stream("POST", server.path, json=server.body(prompt, adapter, 4, stream=True)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token streamed")
 
 
-def compare_servers(model: Path, loras: list[Path], llama_server: Path, args) -> list[list[str]]:
-    import subprocess
+def ttft(server: Server, adapter: str | None, questions: int = 4) -> tuple[float, float]:
+    """Time to first token with a 512-token system prompt: the first request (a miss), then the median of the
+    next ones (the same system prompt, a new question each)."""
+    system = [1] + [(7 * j) % (VOCAB - 100) + 50 for j in range(511)]
+    times = [first_token_s(server, system + [(31 * q + j) % 900 + 60 for j in range(16)], adapter)
+             for q in range(questions + 1)]
+    rest = sorted(times[1:])
+    return times[0], rest[len(rest) // 2]
 
-    names = [p.stem.replace("-F32", "") for p in loras[:8]]
-    prompt = [1] + [100 + i for i in range(15)]
-    n, conc, mt = args.requests, args.concurrency, args.max_tokens
-    rows = []
-    ls = subprocess.Popen([str(llama_server), "-m", str(model), *sum((["--lora", str(p)] for p in loras[:8]), []),
-                           "--lora-init-without-apply", "-np", str(conc), "-c", str(256 * conc), "-t",
-                           str(os.cpu_count()), "--port", "18081", "-ngl", "0"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http("http://127.0.0.1:18081")
-        base = [{"prompt": prompt, "n_predict": mt, "temperature": 0, "ignore_eos": True, "lora": []}] * n
-        mixed = [{"prompt": prompt, "n_predict": mt, "temperature": 0, "ignore_eos": True,
-                  "lora": [{"id": k % 8, "scale": 1.0}]} for k in range(n)]
-        for label, bodies in (("base only", base), ("8 adapters, round robin", mixed)):
-            http_traffic("http://127.0.0.1:18081", bodies[:conc], "/completion", conc, lambda r: 0)  # warm-up
-            tps, p50, p99 = http_traffic("http://127.0.0.1:18081", bodies, "/completion", conc,
-                                         lambda r: int(r.get("tokens_predicted", 0)))
-            rows.append([f"llama-server: {label}", f"{tps:.1f}", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
-    finally:
-        ls.terminate()
-        ls.wait()
-    tp = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
-                           *sum((["--adapter", f"{nm}={p}"] for nm, p in zip(names, loras[:8], strict=True)), []),
-                           "--port", "18082", "--n-ctx", "256", "--workers", "2"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http("http://127.0.0.1:18082")
-        base = [{"model": model.stem, "prompt": prompt, "max_tokens": mt, "temperature": 0, "ignore_eos": True}] * n
-        mixed = [{"model": names[k % 8], "prompt": prompt, "max_tokens": mt, "temperature": 0, "ignore_eos": True}
-                 for k in range(n)]
-        for label, bodies in (("base only", base), ("8 adapters, round robin", mixed)):
-            http_traffic("http://127.0.0.1:18082", bodies[:conc], "/v1/completions", conc, lambda r: 0)
-            tps, p50, p99 = http_traffic("http://127.0.0.1:18082", bodies, "/v1/completions", conc,
-                                         lambda r: int(r["usage"]["completion_tokens"]))
-            rows.append([f"tuneport serve: {label}", f"{tps:.1f}", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
-    finally:
-        tp.terminate()
-        tp.wait()
-    return rows
+
+def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[list[str]], list[list[str]], str]:
+    import tuneport
+
+    shape = MODELS[key]
+    work = args.workdir.resolve() / key
+    shutil.rmtree(work, ignore_errors=True)
+    os.environ["TUNEPORT_CACHE_DIR"] = str(work / "cache")
+    base, peft = make_model(work, shape)
+    tuneport.export(base=base, adapters=[f"{p.name}={p}" for p in peft], target="gguf", adapter_mode="separate",
+                    quant=shape.quant, out=work / "gguf")
+    model = next((work / "gguf").glob(f"base-{shape.quant.upper()}.gguf"))
+    loras = sorted((work / "gguf" / "adapters").glob("*.gguf"), key=lambda p: int(p.stem.split("-")[0][1:]))
+    shutil.rmtree(work / "peft")
+    shutil.rmtree(base)
+    n = max(8, int(args.requests * shape.requests_scale))
+    rows, ttft_rows = [], []
+    results: dict[tuple, tuple] = {}
+    servers = [("llama-server", lambda: start_llama_server(args.llama_server, model, loras, threads, 18081))] \
+        if args.llama_server else []
+    servers.append(("tuneport serve", lambda: start_tuneport(model, loras, 18082)))
+    if args.compare_loops:  # one decode loop (one context with every core) against two
+        servers.append(("tuneport serve, 2 loops", lambda: start_tuneport(model, loras, 18083, workers=2)))
+    for label, start in servers:
+        server = start()
+        try:
+            mixes = {"base only": [None], "1 adapter": server.names[:1], "8 adapters": server.names[:8],
+                     "32 adapters": server.names[:32]}
+            traffic(server, [None], 4, 4, 8, offset=0)  # warm-up
+            for conc in args.concurrency:
+                for mix, adapters in mixes.items():
+                    results[(label, conc, mix)] = traffic(server, adapters, n, conc, args.max_tokens,
+                                                          offset=1000 * conc + len(mix))
+            for adapter in (None, server.names[0]):
+                miss, hit = ttft(server, adapter)
+                ttft_rows.append([label, "base" if adapter is None else "adapter", f"{miss:.3f}", f"{hit:.3f}",
+                                  f"{hit / miss:.2f}x"])
+        finally:
+            server.stop()
+    for conc in args.concurrency:
+        for mix in ("base only", "1 adapter", "8 adapters", "32 adapters"):
+            tp = results[("tuneport serve", conc, mix)]
+            base_tp = results[("tuneport serve", conc, "base only")][0]
+            ls = results.get(("llama-server", conc, mix))
+            rows.append([key, str(conc), mix, f"{tp[0]:.1f}", f"{ls[0]:.1f}" if ls else "-",
+                         f"{tp[0] / ls[0]:.2f}x" if ls else "-", f"{tp[0] / base_tp:.2f}x",
+                         f"{tp[2] / tp[1]:.2f}", f"{ls[2] / ls[1]:.2f}" if ls else "-"])
+    loops = [[key, str(conc), mix, f"{results[('tuneport serve', conc, mix)][0]:.1f}",
+              f"{results[('tuneport serve, 2 loops', conc, mix)][0]:.1f}"]
+             for conc in args.concurrency for mix in ("base only", "8 adapters")] if args.compare_loops else []
+    size = f"{model.stat().st_size / 2**20:.0f} MiB {shape.quant.upper()}, 32 LoRAs r={R} on q/k/v/o, {n} requests"
+    return rows, ttft_rows, loops, size
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workdir", type=Path, default=Path(".bench/serve"))
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--models", default="125m,1b")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", default="4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, help="llama-server binary for the side-by-side comparison")
+    ap.add_argument("--compare-loops", action="store_true", help="also run tuneport serve --workers 2")
     args = ap.parse_args()
-    work = args.workdir.resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    os.environ["TUNEPORT_CACHE_DIR"] = str(work / "cache")
-    import tuneport
-    from tuneport.serve.engines.llamacpp import LlamaCppEngine
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.llama_server:
+        args.llama_server = args.llama_server.resolve()
+    from tuneport.serve.engines.llamacpp import physical_cores
 
-    base, peft = make_model(work, 32)
-    tuneport.export(base=base, adapters=[f"{p.name}={p}" for p in peft], target="gguf", adapter_mode="separate",
-                    quant="q8_0", out=work / "gguf")
-    model = work / "gguf" / "base-Q8_0.gguf"
-    loras = sorted((work / "gguf" / "adapters").glob("*.gguf"))
-    rss0 = rss_mb()
-    engine = LlamaCppEngine(model, n_ctx=256, n_workers=2, n_seq_max=8)
-    rss_model = rss_mb() - rss0
-    load_ms = []
-    for p in loras:
-        t0 = time.perf_counter()
-        engine.load_adapter(p.stem.replace("-F32", ""), p)
-        load_ms.append((time.perf_counter() - t0) * 1000)
-    rss_pool = rss_mb() - rss0
-    lora_bytes = sum(p.stat().st_size for p in loras) / 2**20
-    names = [p.stem.replace("-F32", "") for p in loras]
-    rows = []
-    base_tps, _, _ = run_traffic(engine, [None], args.requests, args.concurrency, args.max_tokens)  # warm-up
-    base_tps, b50, b99 = run_traffic(engine, [None], args.requests, args.concurrency, args.max_tokens)
-    rows.append(["base only", f"{base_tps:.1f}", "1.00x", f"{b50:.2f}", f"{b99:.2f}", f"{b99 / b50:.2f}"])
-    for k in (1, 8, 32):
-        tps, p50, p99 = run_traffic(engine, names[:k], args.requests, args.concurrency, args.max_tokens)
-        label = "1 adapter (all traffic)" if k == 1 else f"{k} adapters, round robin"
-        rows.append([label, f"{tps:.1f}", f"{tps / base_tps:.2f}x", f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.2f}"])
-    engine.close()
-    load_ms.sort()
-    server_rows = compare_servers(model, loras, args.llama_server.resolve(), args) if args.llama_server else []
-    print(f"machine: {machine()}")
-    print(f"model: ~125M params Q8_0 ({model.stat().st_size / 2**20:.0f} MiB); 32 LoRAs r={R} on q/k/v/o "
-          f"({lora_bytes:.1f} MiB); concurrency {args.concurrency}, "
-          f"{args.requests} requests x {args.max_tokens} tokens\n")
-    print(table(rows, ["traffic", "tokens/s", "vs base-only", "p50 s", "p99 s", "p99/p50"]))
-    print(f"\nhot-load latency over {len(load_ms)} adapters: p50 {load_ms[len(load_ms) // 2]:.1f} ms, "
-          f"p99 {load_ms[-1]:.1f} ms")
-    print(f"memory: model {rss_model:.0f} MB; model + 32 adapters {rss_pool:.0f} MB "
-          f"(adapters on disk {lora_bytes:.1f} MB; budget base + adapters + 10% = "
-          f"{1.1 * (rss_model + lora_bytes):.0f} MB); 32 processes each holding a merged model ~ "
-          f"{32 * rss_model:.0f} MB")
-    if server_rows:
-        print(f"\nHTTP, separate processes, concurrency {args.concurrency}, {args.requests} requests x "
-              f"{args.max_tokens} tokens:\n")
-        print(table(server_rows, ["server: traffic", "tokens/s", "p50 s", "p99 s", "p99/p50"]))
+    threads = physical_cores()
+    all_rows, all_ttft, all_loops, sizes = [], [], [], []
+    for key in args.models.split(","):
+        rows, ttft_rows, loops, size = bench_model(key, args, threads)
+        all_rows += rows
+        all_loops += loops
+        all_ttft += [[key, *r] for r in ttft_rows]
+        sizes.append(f"{key}: {size}")
+    print(f"machine: {machine()}; {threads} threads per server (physical cores), {SLOTS} sequences")
+    print("\n".join(sizes) + f"; {args.max_tokens} tokens per request\n")
+    print(table(all_rows, ["model", "conc", "traffic", "tuneport tok/s", "llama-server tok/s", "vs llama-server",
+                           "vs own base-only", "tuneport p99/p50", "llama-server p99/p50"]))
+    print("\ntime to first token, 512-token shared system prompt (s):\n")
+    print(table(all_ttft, ["model", "server", "traffic", "first (miss)", "next (hit)", "hit/miss"]))
+    if all_loops:
+        print("\none decode loop (all cores) against two (half the cores each), tokens/s:\n")
+        print(table(all_loops, ["model", "conc", "traffic", "1 loop", "2 loops"]))
 
 
 if __name__ == "__main__":
