@@ -159,3 +159,11 @@ def test_request_values_are_typed_and_a_bad_one_names_its_field():
                               ("chat", {"messages": []}, "messages")):
         with pytest.raises(ApiError, match=f"'{field}'"):
             parse_request(kind, body).top_k()
+
+
+def test_a_tiny_temperature_samples_the_argmax_rather_than_failing():
+    from tuneport.serve.engines.base import GenerationRequest, sample
+
+    logits = np.array([0.5, 2.0, -np.inf, 1.0], dtype=np.float32)
+    req = GenerationRequest([1], temperature=1e-310)
+    assert sample(logits, req, np.random.default_rng(0)) == 1

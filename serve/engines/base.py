@@ -190,8 +190,9 @@ def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Genera
     """The next token from one row of logits: argmax at temperature 0, else temperature and top-p."""
     if request.temperature <= 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / request.temperature
-    p = np.exp(z - z.max())
+    z = logits.astype(np.float64)
+    z = (z - z.max()) / request.temperature  # max first: a tiny temperature gives -inf, never inf - inf
+    p = np.exp(z)
     p /= p.sum()
     if request.top_p < 1.0:
         order = np.argsort(-p)

@@ -104,6 +104,7 @@ class _Loop:
     current: tuple | None = None  # the adapter set attached to the context
     turn: int = 0  # round-robin start among adapter sets
     done_unloads: set[str] = field(default_factory=set)
+    stale: set[str] = field(default_factory=set)  # unloaded adapters whose cached cells are still to drop
 
 
 class LlamaCppEngine:
@@ -130,6 +131,7 @@ class LlamaCppEngine:
             raise UserError(f"llama.cpp could not load {self.model_path}",
                             "check the file with tuneport inspect; --log-level debug shows llama.cpp's reason")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_swa = llama_cpp.llama_model_n_swa(self.model)  # a sliding window: its cache forgets old cells
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max  # sequences one loop decodes together
@@ -193,17 +195,34 @@ class LlamaCppEngine:
         """Free ``name`` once every loop has stopped using it: its running sequences finished, its cached cells
         dropped, the context detached from it (freeing an adapter a context holds would crash llama.cpp)."""
         with self._cv:
-            self._unloading.add(name)
-            self._cv.notify_all()
-            while not all(name in loop.done_unloads for loop in self._loops) and not self._closed:
-                self._cv.wait()
-            for loop in self._loops:
-                loop.done_unloads.discard(name)
-            self._unloading.discard(name)
+            if self._closed:
+                return  # close() frees every adapter
+            if any(self._uses(loop, name) for loop in self._loops) or any(
+                    n == name for g in self._pending for n, _, _ in g[0].key):
+                self._unloading.add(name)  # wait for the loops to stop using it
+                self._cv.notify_all()
+                while not all(name in loop.done_unloads for loop in self._loops) and not self._closed:
+                    self._cv.wait()
+                for loop in self._loops:
+                    loop.done_unloads.discard(name)
+                self._unloading.discard(name)
+                if self._closed:
+                    return
+            else:  # nothing decodes with it: free at once, the loops drop its cached cells at their next step
+                for loop in self._loops:
+                    loop.stale.add(name)
+                self._cv.notify_all()
             with self._lock:
                 ptr = self._adapters.pop(name)
                 self._generation.pop(name, None)
         self.lc.llama_adapter_lora_free(ptr)
+
+    @staticmethod
+    def _uses(loop: _Loop, name: str) -> bool:
+        """Whether ``loop`` decodes with adapter ``name`` or has it attached (read by another thread: a stale
+        answer errs on the side of waiting, and a request admitted meanwhile fails its generation check)."""
+        return any(n == name for sq in list(loop.active) for n, _, _ in sq.key) or any(
+            n == name for n, _, _ in (loop.current or ()))
 
     @property
     def cache_stats(self) -> dict[str, int]:
@@ -269,7 +288,8 @@ class LlamaCppEngine:
     def _worker(self, loop: _Loop) -> None:
         while True:
             with self._cv:
-                while not (self._closed or loop.active or self._pending or self._unloading - loop.done_unloads):
+                while not (self._closed or loop.active or self._pending or loop.stale
+                           or self._unloading - loop.done_unloads):
                     self._cv.wait()
                 if self._closed:
                     self._fail(loop, RuntimeError("engine closed"))
@@ -277,6 +297,10 @@ class LlamaCppEngine:
                 if self._unloading - loop.done_unloads:
                     self._release_unloaded(loop)
                     self._cv.notify_all()
+                for name in loop.stale:
+                    for sid in loop.cache.drop(name):
+                        self._forget(loop, sid)
+                loop.stale.clear()
                 new = self._claim(loop)
             try:
                 self._admit(loop, new)
@@ -305,16 +329,25 @@ class LlamaCppEngine:
         lc = self.lc
         for group in groups:
             loop.active += group  # from here a failure reaches them
-            while len(loop.free) < len(group):
-                self._forget(loop, loop.cache.evict())
-            for sq in group:
-                sq.seq_id = loop.free.pop()
+        for group in groups:
             first = group[0]
+            hit = None
             if loop.cache.capacity and first.req.cache_prompt and not first.req.prompt_logprobs:
                 hit = loop.cache.lookup(first.key, first.req.prompt_tokens)
-                if hit:
-                    entry, n = hit
-                    lc.llama_memory_seq_cp(loop.mem, entry.seq_id, first.seq_id, 0, n)
+            while len(loop.free) < len(group):  # never the entry just found
+                self._forget(loop, loop.cache.evict(keep=hit[0].seq_id if hit else None))
+            for sq in group:
+                sq.seq_id = loop.free.pop()
+            if hit:
+                entry, n = hit
+                lc.llama_memory_seq_cp(loop.mem, entry.seq_id, first.seq_id, 0, n)
+                if self.n_swa and lc.llama_memory_seq_pos_min(loop.mem, first.seq_id) > max(0, n - self.n_swa):
+                    # a sliding-window cache overwrote cells this prefix still needs: start afresh
+                    lc.llama_memory_seq_rm(loop.mem, first.seq_id, -1, -1)
+                    loop.cache.stats.hits -= 1
+                    loop.cache.stats.hit_tokens -= n
+                    loop.cache.stats.misses += 1
+                else:
                     first.pos, first.fed = n, list(first.req.prompt_tokens[:n])
 
     def _step(self, loop: _Loop) -> None:
@@ -326,17 +359,20 @@ class LlamaCppEngine:
         loop.turn += 1
         self.max_batch_seqs = max(self.max_batch_seqs, len(loop.active))
         self.max_step_adapter_sets = max(self.max_step_adapter_sets, len(keys))
+        if loop.current in keys:  # start where the context is: one switch fewer
+            start = keys.index(loop.current)
         for key in keys[start:] + keys[:start]:
             group = [sq for sq in loop.active if sq.key == key]
             try:
                 self._attach(loop, key)
                 finished = self._decode(loop, group)
+                for sq in finished:
+                    self._finish(loop, sq)
             except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
-                for sq in group:
+                for sq in group:  # their cells are not what `fed` says: freed, never cached
                     sq.out.put(e)
+                    self._release(loop, sq)
                 finished = group
-            for sq in finished:
-                self._finish(loop, sq)
             gone = {id(sq) for sq in finished}
             loop.active = [sq for sq in loop.active if id(sq) not in gone]
 
@@ -366,7 +402,11 @@ class LlamaCppEngine:
         n = 0
         rows: list[tuple[_Seq, int]] = []
         prefilled: list[tuple[_Seq, int]] = []  # (first choice, its first prompt row) of prompts fed this step
+        abandoned: list[_Seq] = []  # cancelled before their prefill: never decoded
         for sq in group:
+            if not sq.prefilled and all(c.cancelled for c in sq.group):
+                abandoned.append(sq)
+                continue
             if not sq.prefilled and sq.index > 0:  # another choice of a request prefilled in this batch
                 rows.append((sq, rows[-1][1]))
                 continue
@@ -386,6 +426,10 @@ class LlamaCppEngine:
             sq.pos += k
             sq.fed += feed
             sq.prefilled = True
+        for sq in abandoned:
+            sq.out.put(Done(sq.index))
+        if not rows:
+            return abandoned
         b.struct.n_tokens = n
         while (ret := lc.llama_decode(loop.ctx, b.struct)) == 1 and len(loop.cache):
             self._forget(loop, loop.cache.evict())  # no room for the batch: give cached cells back
@@ -405,27 +449,31 @@ class LlamaCppEngine:
                  if sq.req.temperature <= 0 and sq.grammar is None and sq.req.logprobs is None]
         greedy = dict(zip(plain, logits[[out_row[rows[i][1]] for i in plain]].argmax(axis=1).tolist(),
                           strict=True)) if plain else {}
-        finished = []
+        finished = list(abandoned)
         for i, (sq, row) in enumerate(rows):
             if sq.req.max_tokens <= 0:  # scored, nothing to generate
                 sq.out.put(Done(sq.index))
                 finished.append(sq)
                 continue
             own = logits[out_row[row]]
-            if i in greedy:
-                tok = greedy[i]
-            else:
-                allowed = self._constrain(sq, own) if sq.grammar is not None else own
-                if sq.grammar is not None and not np.isfinite(allowed).any():
-                    sq.out.put(Done(sq.index))  # the grammar admits nothing more
+            try:
+                if i in greedy:
+                    tok = greedy[i]
+                else:
+                    allowed = self._constrain(sq, own) if sq.grammar is not None else own
+                    if sq.grammar is not None and not np.isfinite(allowed).any():
+                        sq.out.put(Done(sq.index))  # the grammar admits nothing more
+                        finished.append(sq)
+                        continue
+                    tok = sample(allowed, sq.req, sq.rng)
+                eog = lc.llama_vocab_is_eog(self.vocab, tok)
+                if sq.grammar is not None and not eog:
+                    lc.llama_sampler_accept(sq.grammar, tok)
+                    sq.utf8_pending = self._utf8.after(sq.utf8_pending, tok)
+                if sq.emit(tok, eog, own):
                     finished.append(sq)
-                    continue
-                tok = sample(allowed, sq.req, sq.rng)
-            eog = lc.llama_vocab_is_eog(self.vocab, tok)
-            if sq.grammar is not None and not eog:
-                lc.llama_sampler_accept(sq.grammar, tok)
-                sq.utf8_pending = self._utf8.after(sq.utf8_pending, tok)
-            if sq.emit(tok, eog, own):
+            except Exception as e:  # noqa: BLE001 - this request fails, the others of its set go on
+                sq.out.put(e)
                 finished.append(sq)
         return finished
 
@@ -440,6 +488,13 @@ class LlamaCppEngine:
         else:
             self._forget(loop, sq.seq_id)
         sq.seq_id = -1
+
+    def _release(self, loop: _Loop, sq: _Seq) -> None:
+        """Free a sequence without caching it."""
+        self._free_grammar(sq)
+        if sq.seq_id >= 0:
+            self._forget(loop, sq.seq_id)
+            sq.seq_id = -1
 
     def _forget(self, loop: _Loop, seq_id: int) -> None:
         self.lc.llama_memory_seq_rm(loop.mem, seq_id, -1, -1)
@@ -462,10 +517,7 @@ class LlamaCppEngine:
         """Hand ``e`` to every request the loop holds and free their sequences."""
         for sq in loop.active:
             sq.out.put(e)
-            self._free_grammar(sq)
-            if sq.seq_id >= 0:
-                self._forget(loop, sq.seq_id)
-                sq.seq_id = -1
+            self._release(loop, sq)
         loop.active = []
 
     def _prompt_scores(self, ctx, req: GenerationRequest, start: int) -> PromptScores:
@@ -539,7 +591,7 @@ class LlamaCppEngine:
             self._pending.clear()
             self._cv.notify_all()
         for t in getattr(self, "_workers", []):
-            t.join(timeout=30)
+            t.join()  # a worker may be inside a long prefill: its context is freed only after it
         for loop in self._loops:
             self.lc.llama_free(loop.ctx)
         self._loops = []

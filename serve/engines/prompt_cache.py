@@ -76,9 +76,10 @@ class PromptCache:
             freed.append(self.evict())
         return freed
 
-    def evict(self) -> int:
-        """Drop the least recently used entry; its sequence id."""
-        return self.entries.popitem(last=False)[1].seq_id
+    def evict(self, keep: int | None = None) -> int:
+        """Drop the least recently used entry (other than the one holding ``keep``); its sequence id."""
+        victim = next(sid for sid in self.entries if sid != keep)
+        return self.entries.pop(victim).seq_id
 
     def drop(self, name: str) -> list[int]:
         """Drop every entry whose adapter set holds adapter ``name`` (unloaded or reloaded); their sequence ids."""
