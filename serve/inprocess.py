@@ -203,16 +203,21 @@ class InProcessBackend(Backend):
         finally:
             await run_in_threadpool(it.close)
 
+    def _whole(self, plan: Plan, usage: Usage) -> dict[int, Delta]:
+        """Every choice's deltas joined (runs in one worker thread: no hop back to the event loop per token)."""
+        got: dict[int, Delta] = {}
+        with contextlib.closing(self._deltas(plan, usage)) as deltas:
+            for b, d in deltas:
+                whole = got.setdefault(b.index, Delta())
+                whole.text += d.text
+                whole.scored += d.scored
+                whole.finish, whole.tool_calls = d.finish or whole.finish, d.tool_calls or whole.tool_calls
+        return got
+
     async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
         plan = self.plan(kind, body, usage)
-        got: dict[int, Delta] = {}
         with await self.hold(plan.adapters):  # released only after the engine has dropped the request
-            async with contextlib.aclosing(self._run_deltas(plan, usage)) as deltas:
-                async for b, d in deltas:
-                    whole = got.setdefault(b.index, Delta())
-                    whole.text += d.text
-                    whole.scored += d.scored
-                    whole.finish, whole.tool_calls = d.finish or whole.finish, d.tool_calls or whole.tool_calls
+            got = await run_in_threadpool(self._whole, plan, usage)
         choices = [self._choice(plan, b, got.get(b.index, Delta()))
                    for b in sorted(plan.choices, key=lambda b: b.index)]
         extra = {"prompt_token_ids": plan.requests[0].prompt_tokens} if plan.request.return_token_ids else {}

@@ -73,7 +73,7 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
         assert not errors, errors[:1]
         wrong = [k for k, (c, i) in enumerate(jobs) if got[k] != want[(c, i)]]
         assert not wrong, [(jobs[k], got[k], want[jobs[k]]) for k in wrong[:2]]
-        assert engine.max_step_adapter_sets >= 2  # adapter sets interleaved step by step, none drained first
+        assert engine.max_live_adapter_sets >= 2  # adapter sets interleaved step by step, none drained first
 
         # requests that share an adapter set are decoded together (continuous batching)
         same = [threading.Thread(target=lambda i=i: got.__setitem__(1000 + i, list(engine.generate(

@@ -48,6 +48,11 @@ class _Seq(Sequence):
     utf8_pending: int = 0  # continuation bytes the constrained output still needs for a whole character
 
 
+# Decodes in a row for one adapter set before the next set's turn. Attaching another set makes llama.cpp plan
+# its compute graph again: ~3.7 ms against a ~6 ms one-token decode of a 125M Q8_0 model on 2 cores (measured),
+# so switching at every token would spend a third of the time switching.
+QUANTUM = 8
+
 # llama.cpp's llama_token_data, for a whole row of logits filled at once
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
@@ -102,7 +107,7 @@ class _Loop:
     cache: PromptCache
     active: list[_Seq] = field(default_factory=list)
     current: tuple | None = None  # the adapter set attached to the context
-    turn: int = 0  # round-robin start among adapter sets
+    streak: int = 0  # decodes in a row of the attached adapter set
     done_unloads: set[str] = field(default_factory=set)
     stale: set[str] = field(default_factory=set)  # unloaded adapters whose cached cells are still to drop
 
@@ -150,7 +155,7 @@ class LlamaCppEngine:
         self._unloading: set[str] = set()  # names each loop must stop using (and drop from its cache)
         self._closed = False
         self.max_batch_seqs = 0  # the most sequences decoded in one step so far (observability, tests)
-        self.max_step_adapter_sets = 0  # the most adapter sets decoded in one step so far
+        self.max_live_adapter_sets = 0  # the most adapter sets decoding at once (none drained first)
         self._loops: list[_Loop] = []
         for _ in range(n_workers):
             ctx = self._context(kv_f32)
@@ -170,7 +175,9 @@ class LlamaCppEngine:
         cp.n_seq_max = self.n_seq_max + self.cache_entries
         cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = self.n_threads  # llama.cpp's default (4) oversubscribes small machines
-        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # flash attention: 1.5x the tokens/s of the plain path on CPU (measured, docs/benchmarks.md); off with an
+        # F32 cache, whose point is transformers' fp32 numbers
+        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED if kv_f32 else lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         if kv_f32:
             cp.type_k = cp.type_v = lc.GGML_TYPE_F32
         ctx = lc.llama_init_from_model(self.model, cp)
@@ -351,30 +358,32 @@ class LlamaCppEngine:
                     first.pos, first.fed = n, list(first.req.prompt_tokens[:n])
 
     def _step(self, loop: _Loop) -> None:
-        """One decode per adapter set among the active sequences, round-robin from the set after last step's."""
+        """Decode one adapter set's sequences: the attached set again until it has had ``QUANTUM`` decodes in a
+        row, then the next set with active sequences, round-robin (attaching a set costs about half a decode)."""
         keys = list(dict.fromkeys(sq.key for sq in loop.active))
         if not keys:
             return
-        start = loop.turn % len(keys)
-        loop.turn += 1
-        self.max_batch_seqs = max(self.max_batch_seqs, len(loop.active))
-        self.max_step_adapter_sets = max(self.max_step_adapter_sets, len(keys))
-        if loop.current in keys:  # start where the context is: one switch fewer
-            start = keys.index(loop.current)
-        for key in keys[start:] + keys[:start]:
-            group = [sq for sq in loop.active if sq.key == key]
-            try:
-                self._attach(loop, key)
-                finished = self._decode(loop, group)
-                for sq in finished:
-                    self._finish(loop, sq)
-            except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
-                for sq in group:  # their cells are not what `fed` says: freed, never cached
-                    sq.out.put(e)
-                    self._release(loop, sq)
-                finished = group
-            gone = {id(sq) for sq in finished}
-            loop.active = [sq for sq in loop.active if id(sq) not in gone]
+        if loop.current in keys and loop.streak < QUANTUM:
+            key = loop.current
+        else:
+            key = keys[(keys.index(loop.current) + 1) % len(keys)] if loop.current in keys else keys[0]
+            loop.streak = 0
+        loop.streak += 1
+        group = [sq for sq in loop.active if sq.key == key]
+        self.max_batch_seqs = max(self.max_batch_seqs, len(group))
+        self.max_live_adapter_sets = max(self.max_live_adapter_sets, len(keys))
+        try:
+            self._attach(loop, key)
+            finished = self._decode(loop, group)
+            for sq in finished:
+                self._finish(loop, sq)
+        except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
+            for sq in group:  # their cells are not what `fed` says: freed, never cached
+                sq.out.put(e)
+                self._release(loop, sq)
+            finished = group
+        gone = {id(sq) for sq in finished}
+        loop.active = [sq for sq in loop.active if id(sq) not in gone]
 
     def _attach(self, loop: _Loop, key: tuple) -> None:
         """Attach the adapter set ``key`` ((name, scale, generation), ...) to the loop's context."""
