@@ -223,7 +223,10 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
     n = max(8, int(args.requests * shape.requests_scale))
     rows, ttft_rows = [], []
     results: dict[tuple, tuple] = {}
-    servers = [("llama-server", lambda: start_llama_server(args.llama_server, model, loras, threads, 18081))] \
+    # llama-server twice: with no LoRA loaded (its fastest base path: with LoRAs loaded, `"lora": []` was 3-4x
+    # slower, measured), then with all 32 for the adapter traffic
+    servers = [("llama-server, no LoRAs", lambda: start_llama_server(args.llama_server, model, [], threads, 18080)),
+               ("llama-server", lambda: start_llama_server(args.llama_server, model, loras, threads, 18081))] \
         if args.llama_server else []
     servers.append(("tuneport serve", lambda: start_tuneport(model, loras, 18082)))
     if args.compare_loops:  # one decode loop (one context with every core) against two
@@ -232,13 +235,13 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
         server = start()
         try:
             mixes = {"base only": [None], "1 adapter": server.names[:1], "8 adapters": server.names[:8],
-                     "32 adapters": server.names[:32]}
+                     "32 adapters": server.names[:32]} if server.names else {"base only": [None]}
             traffic(server, [None], 4, 4, 8, offset=0)  # warm-up
             for conc in args.concurrency:
                 for mix, adapters in mixes.items():
                     results[(label, conc, mix)] = traffic(server, adapters, n, conc, args.max_tokens,
                                                           offset=1000 * conc + len(mix))
-            for adapter in (None, server.names[0]):
+            for adapter in (None, server.names[0]) if server.names else ():
                 miss, hit = ttft(server, adapter)
                 ttft_rows.append([label, "base" if adapter is None else "adapter", f"{miss:.3f}", f"{hit:.3f}",
                                   f"{hit / miss:.2f}x"])
@@ -248,15 +251,18 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
         for mix in ("base only", "1 adapter", "8 adapters", "32 adapters"):
             tp = results[("tuneport serve", conc, mix)]
             base_tp = results[("tuneport serve", conc, "base only")][0]
-            ls = results.get(("llama-server", conc, mix))
+            ls = results.get(("llama-server, no LoRAs" if mix == "base only" else "llama-server", conc, mix))
             rows.append([key, str(conc), mix, f"{tp[0]:.1f}", f"{ls[0]:.1f}" if ls else "-",
                          f"{tp[0] / ls[0]:.2f}x" if ls else "-", f"{tp[0] / base_tp:.2f}x",
                          f"{tp[2] / tp[1]:.2f}", f"{ls[2] / ls[1]:.2f}" if ls else "-"])
+    base_rows = [[key, str(conc), f"{results[('llama-server, no LoRAs', conc, 'base only')][0]:.1f}",
+                  f"{results[('llama-server', conc, 'base only')][0]:.1f}"]
+                 for conc in args.concurrency] if args.llama_server else []
     loops = [[key, str(conc), mix, f"{results[('tuneport serve', conc, mix)][0]:.1f}",
               f"{results[('tuneport serve, 2 loops', conc, mix)][0]:.1f}"]
              for conc in args.concurrency for mix in ("base only", "8 adapters")] if args.compare_loops else []
     size = f"{model.stat().st_size / 2**20:.0f} MiB {shape.quant.upper()}, 32 LoRAs r={R} on q/k/v/o, {n} requests"
-    return rows, ttft_rows, loops, size
+    return rows, ttft_rows, loops + [["llama-server base", *r] for r in base_rows], size
 
 
 def main() -> None:
@@ -288,9 +294,14 @@ def main() -> None:
                            "vs own base-only", "tuneport p99/p50", "llama-server p99/p50"]))
     print("\ntime to first token, 512-token shared system prompt (s):\n")
     print(table(all_ttft, ["model", "server", "traffic", "first (miss)", "next (hit)", "hit/miss"]))
-    if all_loops:
+    loops = [r for r in all_loops if r[0] != "llama-server base"]
+    if loops:
         print("\none decode loop (all cores) against two (half the cores each), tokens/s:\n")
-        print(table(all_loops, ["model", "conc", "traffic", "1 loop", "2 loops"]))
+        print(table(loops, ["model", "conc", "traffic", "1 loop", "2 loops"]))
+    base = [r[1:] for r in all_loops if r[0] == "llama-server base"]
+    if base:
+        print("\nllama-server base-only tokens/s: no LoRA loaded (the baseline above) against 32 loaded, lora: []\n")
+        print(table(base, ["model", "conc", "no LoRAs", "32 LoRAs loaded"]))
 
 
 if __name__ == "__main__":
