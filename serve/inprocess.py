@@ -90,20 +90,21 @@ class InProcessBackend(Backend):
         """The engine's events for ``request``, submitted at once; ``close()`` on the result cancels it."""
 
     # -- requests ------------------------------------------------------------------------------------
-    def prompts(self, prompt: str | list) -> list[tuple[list[int], str]]:
-        """A completion's prompts as (token ids, text): a string, a list of token ids, or a list of either."""
+    def prompts(self, prompt: str | list, echo: bool) -> list[tuple[list[int], str]]:
+        """A completion's prompts (typed by the request model: a string, token ids, or a list of either) as
+        (token ids, the text echoed: "" unless ``echo``)."""
         items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         out = []
         for p in items:
             if isinstance(p, str):
-                out.append((self.tokenize(p), p))
-            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                bad = [t for t in p if not 0 <= t < self.vocab_size]
-                if bad:  # an engine reads its embedding at whatever index it is given
-                    raise ApiError(f"token ids {bad[:3]} are outside the vocabulary (0 to {self.vocab_size - 1})")
-                out.append((list(p), b"".join(self.piece(t) for t in p).decode("utf-8", "replace")))
-            else:
-                raise ApiError("prompt must be a string, a list of token ids, or a list of either")
+                out.append((self.tokenize(p), p if echo else ""))
+                continue
+            if not p:
+                raise ApiError("prompt must not be empty")
+            bad = [t for t in p if t >= self.vocab_size]
+            if bad:  # an engine reads its embedding at whatever index it is given
+                raise ApiError(f"token ids {bad[:3]} are outside the vocabulary (0 to {self.vocab_size - 1})")
+            out.append((list(p), b"".join(self.piece(t) for t in p).decode("utf-8", "replace") if echo else ""))
         return out
 
     def _tools(self, r: ChatRequest) -> tuple[list[dict] | None, ToolSyntax | None, str | None]:
@@ -138,7 +139,7 @@ class InProcessBackend(Backend):
             prompts = [(self.render_chat(template_messages(r.messages), tools), "")]
             max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         else:
-            prompts = self.prompts(r.prompt)
+            prompts = self.prompts(r.prompt, echo)
             max_tokens = r.max_tokens
         base = dict(adapters=adapters, n=r.n, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
                     grammar=grammar, max_tokens=16 if max_tokens is None else max_tokens,
@@ -146,7 +147,7 @@ class InProcessBackend(Backend):
                     cache_prompt=r.cache_prompt)
         usage.prompt_tokens = sum(len(ids) for ids, _ in prompts)
         return Plan(kind, r, [GenerationRequest(prompt_tokens=ids, **base) for ids, _ in prompts],
-                    [text if echo else "" for _, text in prompts], adapters, r.stops, logprobs, syntax)
+                    [text for _, text in prompts], adapters, r.stops, logprobs, syntax)
 
     # -- answering -----------------------------------------------------------------------------------
     def _deltas(self, plan: Plan, usage: Usage) -> Iterator[tuple[ChoiceBuilder, Delta]]:
@@ -165,7 +166,7 @@ class InProcessBackend(Backend):
                     continue
                 for e in stream:
                     if isinstance(e, PromptScores):
-                        scored = self._prompt_scored(req, e, plan.echoes[p])
+                        scored = self._prompt_scored(req, e)
                         for b in mine:
                             b.prelude(scored)
                     elif isinstance(e, Step):
@@ -182,7 +183,7 @@ class InProcessBackend(Backend):
             for stream in streams:
                 stream.close()  # the engine drops the sequences at its next step
 
-    def _prompt_scored(self, req: GenerationRequest, scores: PromptScores, echo: str) -> list[Scored]:
+    def _prompt_scored(self, req: GenerationRequest, scores: PromptScores) -> list[Scored]:
         """The prompt's tokens with their scores; offsets into the prompt's text as its tokens decode together
         (a character split across tokens counted once, where it completes)."""
         decoder = codecs.getincrementaldecoder("utf-8")("replace")

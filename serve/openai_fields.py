@@ -17,8 +17,7 @@ from .errors import ApiError
 IN_PROCESS = frozenset({"llamacpp", "mlx"})
 ALL = IN_PROCESS | {"vllm"}
 VLLM = frozenset({"vllm"})
-LLAMACPP = frozenset({"llamacpp", "vllm"})  # llama.cpp (grammars, shared prompt cells) and vLLM
-SCORED = ALL  # log-probabilities of generated tokens: every engine
+NOT_MLX = frozenset({"llamacpp", "vllm"})  # llama.cpp (grammars, shared prompt cells) and vLLM
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,11 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("adapters", BOTH, ALL),  # tuneport's weighted mix: Backend.adapters_for refuses it where not served
     Field("cache_prompt", BOTH, IN_PROCESS, (True,), "vLLM's prefix cache cannot be turned off per request (its "
           "key holds the adapter, so it never mixes adapters)"),  # llama-server's field
-    Field("n", BOTH, LLAMACPP, (1,), "one choice per request on MLX"),
+    Field("n", BOTH, NOT_MLX, (1,), "one choice per request on MLX"),
     Field("best_of", COMPLETIONS, VLLM, (1,), "one sequence per request here"),
-    Field("logprobs", BOTH, SCORED),
-    Field("top_logprobs", CHAT, SCORED),
-    Field("echo", COMPLETIONS, LLAMACPP, (False,), "the MLX engine does not score prompts"),
+    Field("logprobs", BOTH, ALL),
+    Field("top_logprobs", CHAT, ALL),
+    Field("echo", COMPLETIONS, NOT_MLX, (False,), "the MLX engine does not score prompts"),
     Field("suffix", COMPLETIONS, frozenset(), ("",), "no engine here fills in the middle"),
     Field("presence_penalty", BOTH, VLLM, (0, 0.0), SAMPLED_ONLY),
     Field("frequency_penalty", BOTH, VLLM, (0, 0.0), SAMPLED_ONLY),
@@ -69,10 +68,10 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("top_k", BOTH, VLLM, (-1, 0), SAMPLED_ONLY),
     Field("min_p", BOTH, VLLM, (0, 0.0), SAMPLED_ONLY),
     Field("repetition_penalty", BOTH, VLLM, (1, 1.0), SAMPLED_ONLY),
-    Field("response_format", BOTH, LLAMACPP, ({"type": "text"},), "the MLX engine has no grammars"),
-    Field("tools", CHAT, LLAMACPP, ([],), "the MLX engine has no tool calling"),
-    Field("tool_choice", CHAT, LLAMACPP, ("none",), "the MLX engine has no tool calling"),
-    Field("parallel_tool_calls", CHAT, LLAMACPP, (True, False), "the MLX engine has no tool calling"),
+    Field("response_format", BOTH, NOT_MLX, ({"type": "text"},), "the MLX engine has no grammars"),
+    Field("tools", CHAT, NOT_MLX, ([],), "the MLX engine has no tool calling"),
+    Field("tool_choice", CHAT, NOT_MLX, ("none",), "the MLX engine has no tool calling"),
+    Field("parallel_tool_calls", CHAT, NOT_MLX, (True, False), "the MLX engine has no tool calling"),
     Field("store", CHAT, frozenset(), (False,), "tuneport stores no completions"),
     Field("metadata", CHAT, frozenset(), ({},), "tuneport stores no completions"),
 )}

@@ -44,9 +44,13 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
 
 
+def _renders_tools(template: str | None) -> bool:
+    return bool(template and re.search(r"\btools\b", template))
+
+
 def syntax_in(template: str | None) -> ToolSyntax | None:
     """The syntax ``template`` teaches, if it renders tools in one tuneport knows."""
-    if not template or not re.search(r"\btools\b", template):
+    if not _renders_tools(template):
         return None
     return next((s for s in SYNTAXES if s.opens in template), None)
 
@@ -69,12 +73,11 @@ def template_of(model_dir: Path) -> str | None:
 def syntax_of(template: str | None) -> ToolSyntax:
     """The tool-call syntax ``template`` teaches; a 400 with the reason when it renders no tools or none of the
     syntaxes tuneport parses."""
-    if not template or not re.search(r"\btools\b", template):
+    if not _renders_tools(template):
         raise ApiError("'tools' is not honoured: the model's chat template does not render tools",
                        "use a model whose chat template supports tools, or describe them in a message")
-    for syntax in SYNTAXES:
-        if syntax.opens in template:
-            return syntax
+    if syntax := syntax_in(template):
+        return syntax
     raise ApiError("'tools' is not honoured: the chat template renders tools but asks for calls in a syntax "
                    f"tuneport does not parse (it parses {', '.join(s.name for s in SYNTAXES)})",
                    "serve with --engine vllm and its --tool-call-parser for this model")
