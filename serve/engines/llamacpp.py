@@ -305,8 +305,7 @@ class LlamaCppEngine:
                     self._release_unloaded(loop)
                     self._cv.notify_all()
                 for name in loop.stale:
-                    for sid in loop.cache.drop(name):
-                        self._forget(loop, sid)
+                    self._drop_cached(loop, name)
                 loop.stale.clear()
                 new = self._claim(loop)
             try:
@@ -505,6 +504,11 @@ class LlamaCppEngine:
             self._forget(loop, sq.seq_id)
             sq.seq_id = -1
 
+    def _drop_cached(self, loop: _Loop, name: str) -> None:
+        """Free the cached cells computed with adapter ``name``."""
+        for sid in loop.cache.drop(name):
+            self._forget(loop, sid)
+
     def _forget(self, loop: _Loop, seq_id: int) -> None:
         self.lc.llama_memory_seq_rm(loop.mem, seq_id, -1, -1)
         loop.free.append(seq_id)
@@ -515,8 +519,7 @@ class LlamaCppEngine:
         for name in self._unloading - loop.done_unloads:
             if any(n == name for sq in loop.active for n, _, _ in sq.key):
                 continue
-            for sid in loop.cache.drop(name):
-                self._forget(loop, sid)
+            self._drop_cached(loop, name)
             if loop.current and any(n == name for n, _, _ in loop.current):
                 self.lc.llama_set_adapters_lora(loop.ctx, None, 0, None)
                 loop.current = None
