@@ -11,7 +11,7 @@ Then time to first token with a shared 512-token system prompt: the first reques
 ones (same system prompt, a new question: a hit where the server caches prompts).
 
 Run: python benchmarks/serve_llamacpp.py --llama-server .bench/llama-server/bin/llama-server
-     [--models 125m,1b] [--requests 48] [--workdir .bench/serve]
+     [--models 125m,1b] [--requests 48] [--workdir .bench/serve] [--compare-contexts]
 (benchmarks/build_llama_server.sh builds llama-server from the vendored source of the llama-cpp-python sdist.)
 """
 
@@ -144,14 +144,14 @@ def start_llama_server(binary: Path, model: Path, loras: list[Path], threads: in
     return server
 
 
-def start_tuneport(model: Path, loras: list[Path], port: int, workers: int = 1) -> Server:
+def start_tuneport(model: Path, loras: list[Path], port: int, contexts: int | None = None) -> Server:
     names = [p.stem.replace("-F32", "") for p in loras]
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
                              *sum((["--adapter", f"{n}={p}"] for n, p in zip(names, loras, strict=True)), []),
                              "--max-adapters", str(len(loras)), "--port", str(port), "--n-ctx", str(N_CTX),
-                             "--workers", str(workers)],
+                             *(["--contexts", str(contexts)] if contexts else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    label = "tuneport serve" if workers == 1 else f"tuneport serve, {workers} loops"
+    label = "tuneport serve" if contexts is None else f"tuneport serve, {contexts} context(s)"
     server = Server(label, f"http://127.0.0.1:{port}", proc, "/v1/completions", names, model.stem)
     wait_http(server.url, proc)
     return server
@@ -229,8 +229,8 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
                ("llama-server", lambda: start_llama_server(args.llama_server, model, loras, threads, 18081))] \
         if args.llama_server else []
     servers.append(("tuneport serve", lambda: start_tuneport(model, loras, 18082)))
-    if args.compare_loops:  # one decode loop (one context with every core) against two
-        servers.append(("tuneport serve, 2 loops", lambda: start_tuneport(model, loras, 18083, workers=2)))
+    if args.compare_contexts:  # one context for every adapter set against one per adapter set
+        servers.append(("tuneport serve, 8 contexts", lambda: start_tuneport(model, loras, 18083, contexts=8)))
     for label, start in servers:
         server = start()
         try:
@@ -259,8 +259,9 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
                   f"{results[('llama-server', conc, 'base only')][0]:.1f}"]
                  for conc in args.concurrency] if args.llama_server else []
     loops = [[key, str(conc), mix, f"{results[('tuneport serve', conc, mix)][0]:.1f}",
-              f"{results[('tuneport serve, 2 loops', conc, mix)][0]:.1f}"]
-             for conc in args.concurrency for mix in ("base only", "8 adapters")] if args.compare_loops else []
+              f"{results[('tuneport serve, 8 contexts', conc, mix)][0]:.1f}"]
+             for conc in args.concurrency for mix in ("base only", "1 adapter", "8 adapters", "32 adapters")] \
+        if args.compare_contexts else []
     size = f"{model.stat().st_size / 2**20:.0f} MiB {shape.quant.upper()}, 32 LoRAs r={R} on q/k/v/o, {n} requests"
     return rows, ttft_rows, loops + [["llama-server base", *r] for r in base_rows], size
 
@@ -273,7 +274,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, help="llama-server binary for the side-by-side comparison")
-    ap.add_argument("--compare-loops", action="store_true", help="also run tuneport serve --workers 2")
+    ap.add_argument("--compare-contexts", action="store_true", help="also run tuneport serve --contexts 8")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.llama_server:
@@ -296,8 +297,8 @@ def main() -> None:
     print(table(all_ttft, ["model", "server", "traffic", "first (miss)", "next (hit)", "hit/miss"]))
     loops = [r for r in all_loops if r[0] != "llama-server base"]
     if loops:
-        print("\none decode loop (all cores) against two (half the cores each), tokens/s:\n")
-        print(table(loops, ["model", "conc", "traffic", "1 loop", "2 loops"]))
+        print("\none context for every adapter set (the default) against up to 8 (one per adapter set), tokens/s:\n")
+        print(table(loops, ["model", "conc", "traffic", "--contexts 1", "--contexts 8"]))
     base = [r[1:] for r in all_loops if r[0] == "llama-server base"]
     if base:
         print("\nllama-server base-only tokens/s: no LoRA loaded (the baseline above) against 32 loaded, lora: []\n")

@@ -2,7 +2,7 @@
 JSON), real chat prompts rendered by its chat template, greedy answers that stop at the model's EOS.
 
 tuneport: `tuneport serve` (in-process llama.cpp engine behind the OpenAI gateway, one model, adapters
-per request, --workers contexts, 2 by default) driven over HTTP at concurrency C. Baseline, measured in
+per request, up to --contexts contexts, 1 by default) driven over HTTP at concurrency C. Baseline, measured in
 the same run: what a llama-cpp-python user writes: one `llama_cpp.Llama` per model (the LoRA given at load, as
 llama-cpp-python requires), `create_chat_completion` called one request at a time (a `Llama` is not
 thread-safe). Each side runs in a fresh process (peak RSS is its own). The model and adapters come from
@@ -34,7 +34,7 @@ TUNEPORT = """
 import httpx, tuneport
 from concurrent.futures import ThreadPoolExecutor
 jobs = {jobs!r}
-with tuneport.serve(base={model!r}, adapters={loras!r}, engine='llamacpp', n_ctx=512, workers={workers}, port=0) as s:
+with tuneport.serve(base={model!r}, adapters={loras!r}, engine='llamacpp', n_ctx=512, contexts={contexts}, port=0) as s:
     base = s.backend.name
     client = httpx.Client(base_url=s.url, timeout=600)
     def one(job):
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="each question to each model this many times")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--workers", type=int, default=2, help="tuneport serve --workers (llama.cpp contexts)")
+    ap.add_argument("--contexts", type=int, default=1, help="tuneport serve --contexts (llama.cpp contexts)")
     args = ap.parse_args()
     work = args.workdir.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -115,7 +115,7 @@ def main() -> None:
     for label, names in (("base only", [None]), ("3 models, round robin (base, pirate, json)", [None, *loras])):
         jobs = [(n, q) for q in QUESTIONS * args.rounds for n in names]
         fields = {"jobs": jobs, "model": str(model), "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-                  "workers": args.workers}
+                  "contexts": args.contexts}
         ref = run_python(BASELINE.format(loras={n: loras[n] for n in names if n}, **fields))
         got = run_python(TUNEPORT.format(loras={n: loras[n] for n in names if n}, **fields))
         rows.append(row(f"llama-cpp-python Llama per model: {label}", ref, None))

@@ -34,7 +34,7 @@ class LlamaCppBackend(InProcessBackend):
     weighted_mixes = True
 
     def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
-                 n_ctx: int = 2048, workers: int = 1, kv_f32: bool = False, dtype: str = "auto",
+                 n_ctx: int = 2048, contexts: int = 1, kv_f32: bool = False, dtype: str = "auto",
                  prompt_cache: bool = True) -> None:
         name = model_name(base)  # from what the user gave: a hub id's name, not its snapshot's hash
         base = resolve_model_path(base)
@@ -47,7 +47,7 @@ class LlamaCppBackend(InProcessBackend):
             model_path = base
         else:
             raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
-        self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_workers=workers, kv_f32=kv_f32,
+        self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_contexts=contexts, kv_f32=kv_f32,
                                     prompt_cache=prompt_cache)
         super().__init__(name, max_adapters, adapter_dir)
         self.max_choices = self.llama.n_seq_max
@@ -60,7 +60,7 @@ class LlamaCppBackend(InProcessBackend):
 
     @classmethod
     def from_options(cls, opts) -> LlamaCppBackend:
-        return cls.start(opts, n_ctx=opts.n_ctx, workers=opts.workers, kv_f32=opts.kv_f32, dtype=opts.dtype,
+        return cls.start(opts, n_ctx=opts.n_ctx, contexts=opts.contexts, kv_f32=opts.kv_f32, dtype=opts.dtype,
                          prompt_cache=opts.prompt_cache)
 
     @staticmethod
@@ -135,7 +135,7 @@ class LlamaCppBackend(InProcessBackend):
 
     def describe(self) -> dict:
         return {**super().describe(), "gguf": str(self.llama.model_path), "n_ctx": self.llama.n_ctx,
-                "workers": self.llama.n_workers, "threads": self.llama.n_threads,
+                "contexts": self.llama.n_contexts, "threads": self.llama.n_threads,
                 "prompt_cache": self.llama.prompt_cache}
 
     def counters(self) -> dict[str, int]:

@@ -59,7 +59,7 @@ class ServeOptions:
     # llama.cpp and MLX
     n_ctx: int = 2048  # tokens per request (prompt + output)
     # llama.cpp
-    workers: int = 1  # decode loops, each its own context (one loop interleaves every adapter set)
+    contexts: int = 1  # the most llama.cpp contexts the decode loop creates (adapter sets each on their own)
     prompt_cache: bool = True  # keep finished sequences' KV cells for reuse under the same adapter set
     kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
     # vLLM

@@ -240,7 +240,7 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
                     pipeline_parallel_size=opts.pipeline_parallel_size)
             elif name == "llamacpp":
                 plans[name] = policy.memory_plan(
-                    name, artifact, dataclasses.replace(load, context_len=opts.n_ctx), workers=opts.workers,
+                    name, artifact, dataclasses.replace(load, context_len=opts.n_ctx), contexts=opts.contexts,
                     adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup], dtype=opts.dtype,
                     kv_bytes_per_elem=4 if opts.kv_f32 else None)
             elif name == "mlx":

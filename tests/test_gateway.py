@@ -19,7 +19,7 @@ KEY = "sekret-key"
 BACKENDS = [pytest.param("llamacpp", marks=pytest.mark.llamacpp), pytest.param("vllm", marks=pytest.mark.vllm),
             pytest.param("mlx", marks=pytest.mark.mlx)]
 ENGINE_OPTIONS = {
-    "llamacpp": dict(n_ctx=128, workers=2, kv_f32=True),
+    "llamacpp": dict(n_ctx=128, contexts=2, kv_f32=True),
     "vllm": dict(dtype="fp32", max_model_len=256, vllm_args=["--enforce-eager", "--max-num-seqs", "8"]),
     "mlx": dict(n_ctx=128),
 }

@@ -105,7 +105,7 @@ def server(zoo):
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--engine", "llamacpp",
                              "--base", str(zoo.base(ARCH)), "--dtype", "fp32", "--kv-f32",
                              "--adapter", f"{ADAPTER}={zoo.adapter(ARCH, ADAPTER)}", "--port", str(port),
-                             "--n-ctx", "256", "--workers", "2"],
+                             "--n-ctx", "256", "--contexts", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         if not wait_for_health(url, 180, alive=lambda: proc.poll() is None, interval_s=0.2):

@@ -86,7 +86,7 @@ def served(request, zoo, tmp_path_factory):
                         quant="f32", out=out)
         gguf, lora = next(out.glob("*-F32.gguf")), out / "adapters" / f"{ADAPTER}-F32.gguf"
         server = tuneport.serve(base=gguf, adapters={ADAPTER: lora}, engine="llamacpp", port=0, n_ctx=1024,
-                                workers=1, kv_f32=True)
+                                contexts=1, kv_f32=True)
         reference = {server.backend.name: _llamacpp_reference(gguf, None), ADAPTER: _llamacpp_reference(gguf, lora)}
     else:
         server = tuneport.serve(base=base, adapters={ADAPTER: adapter}, engine="vllm", port=0, dtype="fp32",

@@ -290,7 +290,7 @@ def test_memory_plan_vllm(llama):
 
 def test_memory_plan_llamacpp(llama):
     a = describe_artifact(llama)
-    p = memory_plan("llamacpp", a, LOAD, adapter_bytes=[28_672, 28_672], workers=2)
+    p = memory_plan("llamacpp", a, LOAD, adapter_bytes=[28_672, 28_672], contexts=2)
     # weights: F16 GGUF: 2 × (426,624 - 640) matrix params + 4 × 640 F32 norms = 851,968 + 2,560 = 854,528
     assert p.weights == 854_528
     # KV: each of 2 contexts holds n_ctx 256 × 8 sequences = 2,048 cells (a multiple of 256);
@@ -299,7 +299,7 @@ def test_memory_plan_llamacpp(llama):
     assert p.adapters == 57_344 and p.host == 0
     assert p.total == 854_528 + 2_097_152 + 57_344 == 3_009_024
     # n_ctx 100: 800 cells, padded to 1,024 per context (as llama.cpp 0.3.36 allocates); F32 KV: 4 bytes
-    small = memory_plan("llamacpp", a, ServeLoad(1, 0, 100), workers=1, kv_bytes_per_elem=4)
+    small = memory_plan("llamacpp", a, ServeLoad(1, 0, 100), contexts=1, kv_bytes_per_elem=4)
     assert small.kv_cache == 2 * 2 * 2 * 32 * 1_024 * 4
     with pytest.raises(UserError, match="llama.cpp cannot load AWQ"):
         memory_plan("llamacpp", art("awq"), LOAD)

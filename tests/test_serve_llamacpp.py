@@ -43,9 +43,12 @@ def bundle(zoo, tmp_path_factory):
     return out
 
 
-def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
+@pytest.mark.parametrize("contexts", [1, 2])
+def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, contexts):
+    """Four adapter sets from four threads: one context interleaves them step by step; two contexts each take
+    adapter sets of their own (the second created when the traffic first mixes)."""
     model = bundle / "llama-fp32-F32.gguf"
-    engine = LlamaCppEngine(model, n_ctx=64, n_workers=2, kv_f32=True)
+    engine = LlamaCppEngine(model, n_ctx=64, n_contexts=contexts, kv_f32=True)
     try:
         for v in ADAPTERS:
             engine.load_adapter(v, bundle / "adapters" / f"{v}-F32.gguf")
@@ -74,6 +77,7 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle):
         wrong = [k for k, (c, i) in enumerate(jobs) if got[k] != want[(c, i)]]
         assert not wrong, [(jobs[k], got[k], want[jobs[k]]) for k in wrong[:2]]
         assert engine.max_live_adapter_sets >= 2  # adapter sets interleaved step by step, none drained first
+        assert engine.max_live_contexts == contexts and len(engine._contexts) == contexts
 
         # requests that share an adapter set are decoded together (continuous batching)
         same = [threading.Thread(target=lambda i=i: got.__setitem__(1000 + i, list(engine.generate(
@@ -124,7 +128,7 @@ def test_the_prompt_cache_never_crosses_adapter_sets(bundle):
 
 
 def test_bad_adapters_are_refused_before_llamacpp(zoo, bundle, tmp_path):
-    engine = LlamaCppEngine(bundle / "llama-fp32-F32.gguf", n_ctx=64, n_workers=1)
+    engine = LlamaCppEngine(bundle / "llama-fp32-F32.gguf", n_ctx=64, n_contexts=1)
     try:
         other = tmp_path / "qwen"
         export_separate(zoo.base("qwen2"), {"q": zoo.adapter("qwen2", "plain")}, other)
@@ -149,7 +153,7 @@ def test_bad_adapters_are_refused_before_llamacpp(zoo, bundle, tmp_path):
 # -- through the gateway: tuneport.serve with --engine llamacpp ------------------------------------
 def serve_gguf(model, adapters: dict, adapter_dir=None, **kw):
     return tuneport.serve(base=model, adapters=adapters, adapter_dir=adapter_dir, engine="llamacpp", port=0,
-                          kv_f32=True, **{"max_adapters": 3, "n_ctx": 128, "workers": 2, **kw})
+                          kv_f32=True, **{"max_adapters": 3, "n_ctx": 128, "contexts": 2, **kw})
 
 
 def ask_tokens(c: httpx.Client, model: str, prompt: list[int], n: int) -> tuple[int, object]:
@@ -231,7 +235,7 @@ def test_tuneport_serve_cli_starts_answers_and_stops_on_sigterm(zoo, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(gguf / "llama-fp32-F32.gguf"),
                              "--adapter", f"plain={gguf / 'adapters' / 'plain-F32.gguf'}", "--port", str(port),
-                             "--api-key-file", str(key), "--n-ctx", "64", "--workers", "1"],
+                             "--api-key-file", str(key), "--n-ctx", "64", "--contexts", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer k1"}, timeout=30)
@@ -253,13 +257,13 @@ def test_hf_base_and_peft_adapters_are_converted_and_cached(zoo, tmp_path, monke
     adapter_dir.mkdir()
     shutil.copytree(zoo.adapter("llama", "rslora"), adapter_dir / "style")
     with tuneport.serve(base=zoo.base("llama"), adapters={"chat": zoo.adapter("llama", "plain")},
-                        adapter_dir=adapter_dir, engine="llamacpp", n_ctx=64, workers=1, port=0) as server:
+                        adapter_dir=adapter_dir, engine="llamacpp", n_ctx=64, contexts=1, port=0) as server:
         c = httpx.Client(base_url=server.url, timeout=60)
         outs = {m: ask_tokens(c, m, [1, 50, 60, 70], 6)[1] for m in (server.backend.name, "chat", "style")}
         assert len({tuple(v) for v in outs.values()}) == 3  # base and each adapter answer differently
         assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
         assert len(list((tmp_path / "cache" / "loras").glob("*.gguf"))) == 2
-    with tuneport.serve(base=zoo.base("llama"), engine="llamacpp", n_ctx=64, workers=1, port=0):
+    with tuneport.serve(base=zoo.base("llama"), engine="llamacpp", n_ctx=64, contexts=1, port=0):
         pass
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1  # reused, not converted again
 
@@ -272,7 +276,7 @@ def test_llamacpp_log_is_routed_to_logging_and_restored(tmp_path, caplog):
     bad.write_bytes(b"GGUF\x03\0\0\0" + b"\0" * 64)  # a header gguf-py reads, tensors llama.cpp cannot load
     before = current_log_callback()
     with caplog.at_level(logging.DEBUG, logger="tuneport.llamacpp"), pytest.raises(UserError) as e:
-        LlamaCppEngine(bad, n_ctx=32, n_workers=1)
+        LlamaCppEngine(bad, n_ctx=32, n_contexts=1)
     assert "could not load" in e.value.message and "--log-level debug" in e.value.hint
     assert any(r.name == "tuneport.llamacpp" and "truncated.gguf" in r.getMessage() for r in caplog.records)
     assert current_log_callback() == before
@@ -280,7 +284,7 @@ def test_llamacpp_log_is_routed_to_logging_and_restored(tmp_path, caplog):
 
 def test_hub_id_base_and_adapter_serve_under_their_names(hub):
     base, lora = hub
-    with tuneport.serve(base=base, adapters={"chat": lora}, engine="llamacpp", n_ctx=64, workers=1,
+    with tuneport.serve(base=base, adapters={"chat": lora}, engine="llamacpp", n_ctx=64, contexts=1,
                         port=0) as server:
         models = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
         assert models == ["tiny-llama", "chat"]

@@ -313,8 +313,8 @@ def test_cli_serves_mlx_and_plans_it(zoo, tmp_path, cli):
     assert mlx["kv_cache"] == 2 * 2 * 2 * 32 * (256 * 4) * 4  # K,V × layers × KV heads × head_dim × tokens × fp32
     assert mlx["adapters"] == 2 * (8 * 128 + 128 * 8 + 8 * 128 + 64 * 8) * 4  # q and v at r=8, 2 layers, fp32
     assert d["commands"][0]["argv"][:4] == ["tuneport", "serve", "--engine", "mlx"] and "--n-ctx" in out
-    code, _, err = cli("serve", "--engine", "mlx", "--base", zoo.base("llama"), "--workers", "3", "--dry-run")
-    assert code == 2 and "--workers: only --engine llamacpp honours it" in err
+    code, _, err = cli("serve", "--engine", "mlx", "--base", zoo.base("llama"), "--contexts", "3", "--dry-run")
+    assert code == 2 and "--contexts: only --engine llamacpp honours it" in err
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--engine", "mlx", "--base",

@@ -171,8 +171,9 @@ def serve(
     dtype: Annotated[DType, typer.Option("--dtype", help="vLLM: model dtype; llama.cpp: the GGUF an HF base is "
                                          "converted to (auto: F16); MLX: the MLX model it is converted to")] = "auto",
     n_ctx: Annotated[int, typer.Option("--n-ctx", help="llama.cpp, MLX: context length per sequence")] = 2048,
-    workers: Annotated[int, typer.Option("--workers", help="llama.cpp: decode loops, each its own context "
-                                         "(1 interleaves every adapter set; the fastest measured)")] = 1,
+    contexts: Annotated[int, typer.Option("--contexts", min=1, help="llama.cpp: the most contexts the decode loop "
+                                          "creates, one per adapter set under mixed traffic (each n_ctx × 8 KV "
+                                          "cells; spares re-planning the graph at each adapter switch)")] = 1,
     no_prompt_cache: Annotated[bool, typer.Option("--no-prompt-cache", help="llama.cpp: keep no finished "
                                                   "prompts' KV cells for reuse")] = False,
     kv_f32: Annotated[bool, typer.Option("--kv-f32", help="llama.cpp: F32 KV cache (fp32 parity, 2x memory)")] = False,
@@ -202,7 +203,7 @@ def serve(
     opts = ServeOptions(
         base=base, adapters=adapter or [], adapter_dir=adapter_dir, engine=EngineChoice(engine).value,
         max_adapters=max_adapters, pin=not no_pin, host=host, port=port, api_key_file=api_key_file,
-        concurrency=concurrency, dtype=DType(dtype).value, n_ctx=n_ctx, workers=workers, kv_f32=kv_f32,
+        concurrency=concurrency, dtype=DType(dtype).value, n_ctx=n_ctx, contexts=contexts, kv_f32=kv_f32,
         prompt_cache=not no_prompt_cache,
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,

@@ -64,7 +64,7 @@ def ask_each(model_file: Path, loras: dict[str, Path], questions: tuple[str, ...
     import httpx
 
     answers: dict[str, dict[str, dict]] = {}
-    with serve(base=model_file, adapters=dict(loras), engine="llamacpp", max_adapters=4, n_ctx=512, workers=2,
+    with serve(base=model_file, adapters=dict(loras), engine="llamacpp", max_adapters=4, n_ctx=512, contexts=2,
                kv_f32=kv_f32, port=0) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         names = {"base": server.backend.name, **{n: n for n in loras}}
         for label, model in names.items():

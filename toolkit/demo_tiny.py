@@ -101,7 +101,7 @@ def _serve_demo(model_file: Path, gguf_dir: Path, loras: dict[str, str]) -> dict
     console.rule("[bold]5. tuneport serve --engine llamacpp: one base, adapters picked per request")
     answers = {}
     with serve(base=model_file, adapters={n: gguf_dir / p for n, p in loras.items()}, engine="llamacpp",
-                        max_adapters=4, n_ctx=128, workers=1, port=0) as server:
+                        max_adapters=4, n_ctx=128, contexts=1, port=0) as server:
         for model in [server.backend.name, *loras]:
             r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                            json={"model": model, "prompt": "The model merges", "max_tokens": 12, "temperature": 0})

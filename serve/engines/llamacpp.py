@@ -1,11 +1,15 @@
 """llama.cpp through llama-cpp-python's low-level API: one model, GGUF LoRAs attached per request, one decode
-loop per context.
+loop over up to ``n_contexts`` contexts.
 
-Sequences of different adapter sets live in one KV cache together: each sequence's cells were computed under
-its own adapter set, so they stay valid. Each step of the loop decodes the active sequences one adapter set at
-a time (``llama_set_adapters_lora``, decode that group, next set), round-robin, so no adapter set waits for
-another to drain and no cache is cleared to switch; new requests join at the next step. Finished sequences'
-cells are kept as a prompt cache (:mod:`.prompt_cache`), reused only under the identical adapter set.
+Attaching another adapter set to a context makes llama.cpp plan its compute graph again (about half a
+one-token decode), so the loop keeps adapter sets on contexts of their own: a request joins the context
+already decoding its adapter set, else an idle one, else a new context (created when first needed, up to
+``n_contexts``), else the context with the fewest adapter sets. Within a context, sequences of different adapter
+sets live in one KV cache together: each sequence's cells were computed under its own adapter set, so they stay
+valid, and the context decodes one adapter set at a time (``llama_set_adapters_lora``, decode that group, next
+set), round-robin, so no adapter set waits for another to drain and no cache is cleared to switch. Each turn of
+the loop decodes once in every busy context; new requests join at the next turn. Finished sequences' cells are
+kept as a prompt cache (:mod:`.prompt_cache`) per context, reused only under the identical adapter set.
 Adapters are validated against the model (architecture, tensor names, shapes) before llama.cpp sees them: a
 bad file would give a NULL adapter, and a NULL adapter segfaults at decode.
 """
@@ -16,6 +20,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -34,10 +39,12 @@ from .utf8 import Utf8Table
 
 __all__ = ["GenerationRequest", "LlamaCppEngine", "physical_cores"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class _Seq(Sequence):
-    """One choice inside a decode loop: its adapter set, sequence id, position, and grammar sampler."""
+    """One choice inside a decode cx: its adapter set, sequence id, position, and grammar sampler."""
 
     key: tuple = ()
     seq_id: int = -1
@@ -96,13 +103,12 @@ class _Batch:
 
 
 @dataclass(eq=False)
-class _Loop:
-    """One context and the sequences it decodes: a unified KV cache, ``slots`` sequence ids for requests and
-    ``cache.capacity`` more for the prompt cache."""
+class _Context:
+    """One llama.cpp context and the sequences it decodes: a unified KV cache, ``n_seq_max`` sequence ids for
+    requests and ``cache.capacity`` more for the prompt cache."""
 
     ctx: object
     mem: object
-    batch: _Batch
     free: list[int]
     cache: PromptCache
     active: list[_Seq] = field(default_factory=list)
@@ -113,7 +119,7 @@ class _Loop:
 
 
 class LlamaCppEngine:
-    def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_workers: int = 1, n_threads: int | None = None,
+    def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_contexts: int = 1, n_threads: int | None = None,
                  kv_f32: bool = False, n_seq_max: int = 8, prompt_cache: bool = True, cache_entries: int = 8
                  ) -> None:
         import llama_cpp
@@ -139,35 +145,42 @@ class LlamaCppEngine:
         self.n_swa = llama_cpp.llama_model_n_swa(self.model)  # a sliding window: its cache forgets old cells
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
-        self.n_seq_max = n_seq_max  # sequences one loop decodes together
-        self.n_workers = n_workers
+        self.n_seq_max = n_seq_max  # sequences one context decodes together
+        self.n_contexts = n_contexts  # the most contexts the loop creates (each n_ctx × n_seq_max KV cells)
+        self.kv_f32 = kv_f32
         self.prompt_cache = prompt_cache
         self.cache_entries = cache_entries if prompt_cache else 0
-        self.n_threads = n_threads or max(1, physical_cores() // n_workers)
+        # one loop decodes one context at a time, so each decode has every physical core
+        self.n_threads = n_threads or physical_cores()
         self._adapters: dict[str, object] = {}
         self._lock = threading.Lock()
-        # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a loop
+        # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a context
         # never admits a request made against an earlier load of a name, and cached cells never outlive a load.
         self._loads = itertools.count(1)
         self._generation: dict[str, int] = {}
         self._cv = threading.Condition()
         self._pending: list[list[_Seq]] = []  # requests waiting, each as its choices
-        self._unloading: set[str] = set()  # names each loop must stop using (and drop from its cache)
+        self._unloading: set[str] = set()  # names each context must stop using (and drop from its cache)
         self._closed = False
         self.max_batch_seqs = 0  # the most sequences decoded in one step so far (observability, tests)
         self.max_live_adapter_sets = 0  # the most adapter sets decoding at once (none drained first)
-        self._loops: list[_Loop] = []
-        for _ in range(n_workers):
-            ctx = self._context(kv_f32)
-            seq_ids = n_seq_max + self.cache_entries
-            self._loops.append(_Loop(ctx, llama_cpp.llama_get_memory(ctx), _Batch(llama_cpp, n_ctx * n_seq_max),
-                                     list(range(seq_ids)), PromptCache(self.cache_entries)))
-        self._workers = [threading.Thread(target=self._worker, args=(loop,), daemon=True, name=f"llamacpp-{i}")
-                         for i, loop in enumerate(self._loops)]
-        for t in self._workers:
-            t.start()
+        self.max_live_contexts = 0  # the most contexts decoding in one turn of the loop
+        self._batch = _Batch(llama_cpp, n_ctx * n_seq_max)  # the loop fills one batch at a time
+        self._contexts: list[_Context] = []
+        try:
+            self._contexts.append(self._new_context())  # the others when mixed traffic needs them
+        except UserError:
+            self.close()
+            raise
+        self._worker = threading.Thread(target=self._run, daemon=True, name="llamacpp-loop")
+        self._worker.start()
 
-    def _context(self, kv_f32: bool):
+    def _new_context(self) -> _Context:
+        ctx = self._llama_context(self.kv_f32)
+        return _Context(ctx, self.lc.llama_get_memory(ctx), list(range(self.n_seq_max + self.cache_entries)),
+                        PromptCache(self.cache_entries))
+
+    def _llama_context(self, kv_f32: bool):
         lc = self.lc
         cp = lc.llama_context_default_params()
         cp.n_ctx = cp.n_batch = self.n_ctx * self.n_seq_max  # one shared (unified) cache, n_ctx per sequence
@@ -182,7 +195,6 @@ class LlamaCppEngine:
             cp.type_k = cp.type_v = lc.GGML_TYPE_F32
         ctx = lc.llama_init_from_model(self.model, cp)
         if not ctx:
-            self.close()
             raise UserError(f"llama.cpp could not create a context of {cp.n_ctx} cells",
                             "lower --n-ctx; --log-level debug shows llama.cpp's reason")
         return ctx
@@ -199,25 +211,26 @@ class LlamaCppEngine:
         return nbytes
 
     def unload_adapter(self, name: str) -> None:
-        """Free ``name`` once every loop has stopped using it: its running sequences finished, its cached cells
-        dropped, the context detached from it (freeing an adapter a context holds would crash llama.cpp)."""
+        """Free ``name`` once every context has stopped using it: its running sequences finished, its cached cells
+        dropped, the context detached from it (freeing an adapter a context holds would crash llama.cpp). Contexts
+        are only added under the lock, so the ones checked here are all there are."""
         with self._cv:
             if self._closed:
                 return  # close() frees every adapter
-            if any(self._uses(loop, name) for loop in self._loops) or any(
+            if any(self._uses(cx, name) for cx in self._contexts) or any(
                     n == name for g in self._pending for n, _, _ in g[0].key):
-                self._unloading.add(name)  # wait for the loops to stop using it
+                self._unloading.add(name)  # wait for the contexts to stop using it
                 self._cv.notify_all()
-                while not all(name in loop.done_unloads for loop in self._loops) and not self._closed:
+                while not all(name in cx.done_unloads for cx in self._contexts) and not self._closed:
                     self._cv.wait()
-                for loop in self._loops:
-                    loop.done_unloads.discard(name)
+                for cx in self._contexts:
+                    cx.done_unloads.discard(name)
                 self._unloading.discard(name)
                 if self._closed:
                     return
-            else:  # nothing decodes with it: free at once, the loops drop its cached cells at their next step
-                for loop in self._loops:
-                    loop.stale.add(name)
+            else:  # nothing decodes with it: free at once, the loop drops its cached cells at its next turn
+                for cx in self._contexts:
+                    cx.stale.add(name)
                 self._cv.notify_all()
             with self._lock:
                 ptr = self._adapters.pop(name)
@@ -225,20 +238,20 @@ class LlamaCppEngine:
         self.lc.llama_adapter_lora_free(ptr)
 
     @staticmethod
-    def _uses(loop: _Loop, name: str) -> bool:
-        """Whether ``loop`` decodes with adapter ``name`` or has it attached (read by another thread: a stale
+    def _uses(cx: _Context, name: str) -> bool:
+        """Whether ``cx`` decodes with adapter ``name`` or has it attached (read by another thread: a stale
         answer errs on the side of waiting, and a request admitted meanwhile fails its generation check)."""
-        return any(n == name for sq in list(loop.active) for n, _, _ in sq.key) or any(
-            n == name for n, _, _ in (loop.current or ()))
+        return any(n == name for sq in list(cx.active) for n, _, _ in sq.key) or any(
+            n == name for n, _, _ in (cx.current or ()))
 
     @property
     def cache_stats(self) -> dict[str, int]:
-        """Prompt-cache counters summed over the loops."""
-        loops = self._loops
-        return {"prompt_cache_hits_total": sum(lp.cache.stats.hits for lp in loops),
-                "prompt_cache_hit_tokens_total": sum(lp.cache.stats.hit_tokens for lp in loops),
-                "prompt_cache_misses_total": sum(lp.cache.stats.misses for lp in loops),
-                "prompt_cache_entries": sum(len(lp.cache) for lp in loops)}
+        """Prompt-cache counters summed over the contexts."""
+        cxs = list(self._contexts)
+        return {"prompt_cache_hits_total": sum(cx.cache.stats.hits for cx in cxs),
+                "prompt_cache_hit_tokens_total": sum(cx.cache.stats.hit_tokens for cx in cxs),
+                "prompt_cache_misses_total": sum(cx.cache.stats.misses for cx in cxs),
+                "prompt_cache_entries": sum(len(cx.cache) for cx in cxs)}
 
     # -- requests -------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[int]:
@@ -292,101 +305,148 @@ class LlamaCppEngine:
             sq.grammar = None
 
     # -- the decode loop --------------------------------------------------------------------------
-    def _worker(self, loop: _Loop) -> None:
+    def _run(self) -> None:
+        """The decode loop: place new requests, then one decode in every context with active sequences."""
         while True:
             with self._cv:
-                while not (self._closed or loop.active or self._pending or loop.stale
-                           or self._unloading - loop.done_unloads):
+                while not (self._closed or self._pending or any(
+                        cx.active or cx.stale or self._unloading - cx.done_unloads for cx in self._contexts)):
                     self._cv.wait()
                 if self._closed:
-                    self._fail(loop, RuntimeError("engine closed"))
+                    for cx in self._contexts:
+                        self._fail(cx, RuntimeError("engine closed"))
                     return
-                if self._unloading - loop.done_unloads:
-                    self._release_unloaded(loop)
-                    self._cv.notify_all()
-                for name in loop.stale:
-                    self._drop_cached(loop, name)
-                loop.stale.clear()
-                new = self._claim(loop)
-            try:
-                self._admit(loop, new)
-                self._step(loop)
-            except Exception as e:  # noqa: BLE001 - delivered to the requests this loop holds
-                self._fail(loop, e)
+                for cx in self._contexts:
+                    if self._unloading - cx.done_unloads:
+                        self._release_unloaded(cx)
+                        self._cv.notify_all()
+                    for name in cx.stale:
+                        self._drop_cached(cx, name)
+                    cx.stale.clear()
+                placed, grow = self._claim()
+            if grow:
+                self._grow()
+            for cx in list(self._contexts):
+                try:
+                    self._admit(cx, placed.get(id(cx), []))
+                except Exception as e:  # noqa: BLE001 - delivered to the requests this context holds
+                    self._fail(cx, e)
+            busy = [cx for cx in self._contexts if cx.active]
+            self.max_live_contexts = max(self.max_live_contexts, len(busy))
+            self.max_live_adapter_sets = max(self.max_live_adapter_sets,
+                                             len({sq.key for cx in busy for sq in cx.active}))
+            for cx in busy:
+                try:
+                    self._step(cx)
+                except Exception as e:  # noqa: BLE001 - delivered to the requests this context holds
+                    self._fail(cx, e)
 
-    def _claim(self, loop: _Loop) -> list[list[_Seq]]:
-        """Whole pending requests, oldest first, that fit the loop's free sequence ids (cache entries give
-        theirs back when needed); lock held."""
-        room = min(len(loop.free) + len(loop.cache), self.n_seq_max - len(loop.active))
-        taken = []
-        while self._pending and len(self._pending[0]) <= room:
-            group = self._pending.pop(0)
+    def _claim(self) -> tuple[dict[int, list[list[_Seq]]], bool]:
+        """Whole pending requests, oldest first, each placed on a context with room (cache entries give their
+        sequence ids back when needed), until one finds none; and whether that one wants a new context. Lock
+        held."""
+        room = {id(cx): min(len(cx.free) + len(cx.cache), self.n_seq_max - len(cx.active)) for cx in self._contexts}
+        keys = {id(cx): {sq.key for sq in cx.active} for cx in self._contexts}
+        placed: dict[int, list[list[_Seq]]] = {}
+        while self._pending:
+            group = self._pending[0]
             if any(n in self._unloading for n, _, _ in group[0].key):
+                self._pending.pop(0)
                 group[0].out.put(UserError("the request's adapter is being unloaded", "retry the request"))
                 for sq in group:
                     self._free_grammar(sq)
                 continue
-            taken.append(group)
-            room -= len(group)
-        return taken
+            cx = self._place(group[0].key, len(group), room, keys)
+            if cx is None:
+                return placed, len(self._contexts) < self.n_contexts
+            self._pending.pop(0)
+            placed.setdefault(id(cx), []).append(group)
+            room[id(cx)] -= len(group)
+            keys[id(cx)].add(group[0].key)
+        return placed, False
 
-    def _admit(self, loop: _Loop, groups: list[list[_Seq]]) -> None:
+    def _place(self, key: tuple, size: int, room: dict[int, int], keys: dict[int, set]) -> _Context | None:
+        """The context for a request of adapter set ``key``: the one decoding that set, else an idle one (the
+        one last attached to it first: its cache has the set's prompts), else None while another context may
+        still be created, else the one with the fewest adapter sets. None when none has room."""
+        fits = [cx for cx in self._contexts if room[id(cx)] >= size]
+        same = [cx for cx in fits if key in keys[id(cx)]]
+        if same:
+            return same[0]
+        idle = [cx for cx in fits if not keys[id(cx)]]
+        if idle:
+            return next((cx for cx in idle if cx.current == key), idle[0])
+        if len(self._contexts) < self.n_contexts or not fits:
+            return None
+        return min(fits, key=lambda cx: len(keys[id(cx)]))
+
+    def _grow(self) -> None:
+        """One more context for the loop; when llama.cpp cannot make it (memory), the loop keeps those it has."""
+        try:
+            cx = self._new_context()
+        except UserError as e:
+            log.warning("llama.cpp: no context beyond %d (%s): adapter sets share them", len(self._contexts), e)
+            self.n_contexts = len(self._contexts)
+            return
+        with self._cv:
+            self._contexts.append(cx)
+
+    def _admit(self, cx: _Context, groups: list[list[_Seq]]) -> None:
         """Sequence ids for new requests, and the longest cached prefix under the same adapter set."""
         lc = self.lc
         for group in groups:
-            loop.active += group  # from here a failure reaches them
+            cx.active += group  # from here a failure reaches them
         for group in groups:
             first = group[0]
             hit = None
-            if loop.cache.capacity and first.req.cache_prompt and not first.req.prompt_logprobs:
-                hit = loop.cache.lookup(first.key, first.req.prompt_tokens)
-            while len(loop.free) < len(group):  # never the entry just found
-                self._forget(loop, loop.cache.evict(keep=hit[0].seq_id if hit else None))
+            if cx.cache.capacity and first.req.cache_prompt and not first.req.prompt_logprobs:
+                hit = cx.cache.lookup(first.key, first.req.prompt_tokens)
+            while len(cx.free) < len(group):  # never the entry just found
+                self._forget(cx, cx.cache.evict(keep=hit[0].seq_id if hit else None))
             for sq in group:
-                sq.seq_id = loop.free.pop()
+                sq.seq_id = cx.free.pop()
             if hit:
                 entry, n = hit
-                lc.llama_memory_seq_cp(loop.mem, entry.seq_id, first.seq_id, 0, n)
-                if self.n_swa and lc.llama_memory_seq_pos_min(loop.mem, first.seq_id) > max(0, n - self.n_swa):
+                lc.llama_memory_seq_cp(cx.mem, entry.seq_id, first.seq_id, 0, n)
+                if self.n_swa and lc.llama_memory_seq_pos_min(cx.mem, first.seq_id) > max(0, n - self.n_swa):
                     # a sliding-window cache overwrote cells this prefix still needs: start afresh
-                    lc.llama_memory_seq_rm(loop.mem, first.seq_id, -1, -1)
-                    loop.cache.stats.hits -= 1
-                    loop.cache.stats.hit_tokens -= n
-                    loop.cache.stats.misses += 1
+                    lc.llama_memory_seq_rm(cx.mem, first.seq_id, -1, -1)
+                    cx.cache.stats.hits -= 1
+                    cx.cache.stats.hit_tokens -= n
+                    cx.cache.stats.misses += 1
                 else:
                     first.pos, first.fed = n, list(first.req.prompt_tokens[:n])
 
-    def _step(self, loop: _Loop) -> None:
+    def _step(self, cx: _Context) -> None:
         """Decode one adapter set's sequences: the attached set again until it has had ``QUANTUM`` decodes in a
         row, then the next set with active sequences, round-robin (attaching a set costs about half a decode)."""
-        keys = list(dict.fromkeys(sq.key for sq in loop.active))
+        keys = list(dict.fromkeys(sq.key for sq in cx.active))
         if not keys:
             return
-        if loop.current in keys and loop.streak < QUANTUM:
-            key = loop.current
+        if cx.current in keys and cx.streak < QUANTUM:
+            key = cx.current
         else:
-            key = keys[(keys.index(loop.current) + 1) % len(keys)] if loop.current in keys else keys[0]
-            loop.streak = 0
-        loop.streak += 1
-        group = [sq for sq in loop.active if sq.key == key]
+            key = keys[(keys.index(cx.current) + 1) % len(keys)] if cx.current in keys else keys[0]
+            cx.streak = 0
+        cx.streak += 1
+        group = [sq for sq in cx.active if sq.key == key]
         self.max_batch_seqs = max(self.max_batch_seqs, len(group))
-        self.max_live_adapter_sets = max(self.max_live_adapter_sets, len(keys))
         try:
-            self._attach(loop, key)
-            finished = self._decode(loop, group)
+            self._attach(cx, key)
+            finished = self._decode(cx, group)
             for sq in finished:
-                self._finish(loop, sq)
+                self._finish(cx, sq)
         except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
             for sq in group:  # their cells are not what `fed` says: freed, never cached
                 sq.out.put(e)
-                self._release(loop, sq)
+                self._release(cx, sq)
             finished = group
         gone = {id(sq) for sq in finished}
-        loop.active = [sq for sq in loop.active if id(sq) not in gone]
+        cx.active = [sq for sq in cx.active if id(sq) not in gone]
 
-    def _attach(self, loop: _Loop, key: tuple) -> None:
-        """Attach the adapter set ``key`` ((name, scale, generation), ...) to the loop's context."""
-        if loop.current == key:
+    def _attach(self, cx: _Context, key: tuple) -> None:
+        """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``cx``."""
+        if cx.current == key:
             return
         lc = self.lc
         with self._lock:
@@ -398,15 +458,15 @@ class LlamaCppEngine:
         if n:
             arr = (lc.llama_adapter_lora_p_ctypes * n)(*ptrs)
             scales = (ctypes.c_float * n)(*(scale for _, scale, _ in key))
-            lc.llama_set_adapters_lora(loop.ctx, arr, n, scales)
+            lc.llama_set_adapters_lora(cx.ctx, arr, n, scales)
         else:
-            lc.llama_set_adapters_lora(loop.ctx, None, 0, None)
-        loop.current = key
+            lc.llama_set_adapters_lora(cx.ctx, None, 0, None)
+        cx.current = key
 
-    def _decode(self, loop: _Loop, group: list[_Seq]) -> list[_Seq]:
+    def _decode(self, cx: _Context, group: list[_Seq]) -> list[_Seq]:
         """Feed each sequence of one adapter set (its prompt's remainder, or its last token), decode, sample;
         the sequences that finished."""
-        lc, b = self.lc, loop.batch
+        lc, b = self.lc, self._batch
         n = 0
         rows: list[tuple[_Seq, int]] = []
         prefilled: list[tuple[_Seq, int]] = []  # (first choice, its first prompt row) of prompts fed this step
@@ -439,20 +499,20 @@ class LlamaCppEngine:
         if not rows:
             return abandoned
         b.struct.n_tokens = n
-        while (ret := lc.llama_decode(loop.ctx, b.struct)) == 1 and len(loop.cache):
-            self._forget(loop, loop.cache.evict())  # no room for the batch: give cached cells back
+        while (ret := lc.llama_decode(cx.ctx, b.struct)) == 1 and len(cx.cache):
+            self._forget(cx, cx.cache.evict())  # no room for the batch: give cached cells back
         if ret != 0:
             raise RuntimeError(f"llama_decode failed ({ret})" + (": the KV cache is full" if ret == 1 else ""))
         for first, start in prefilled:
             for sq in first.group[1:]:  # the other choices share the prompt's cells
-                lc.llama_memory_seq_cp(loop.mem, first.seq_id, sq.seq_id, -1, -1)
+                lc.llama_memory_seq_cp(cx.mem, first.seq_id, sq.seq_id, -1, -1)
                 sq.pos, sq.fed, sq.prefilled = first.pos, list(first.fed), True
             if first.req.prompt_logprobs:
-                first.out.put(self._prompt_scores(loop.ctx, first.req, start))
+                first.out.put(self._prompt_scores(cx.ctx, first.req, start))
         # the logits of every output row at once: greedy rows are chosen in one argmax
         flagged = np.flatnonzero(b.logits[:n])
         out_row = {int(r): i for i, r in enumerate(flagged)}
-        logits = np.ctypeslib.as_array(lc.llama_get_logits(loop.ctx), shape=(len(flagged), self.n_vocab))
+        logits = np.ctypeslib.as_array(lc.llama_get_logits(cx.ctx), shape=(len(flagged), self.n_vocab))
         plain = [i for i, (sq, _) in enumerate(rows)
                  if sq.req.temperature <= 0 and sq.grammar is None and sq.req.logprobs is None]
         greedy = dict(zip(plain, logits[[out_row[rows[i][1]] for i in plain]].argmax(axis=1).tolist(),
@@ -485,52 +545,52 @@ class LlamaCppEngine:
                 finished.append(sq)
         return finished
 
-    def _finish(self, loop: _Loop, sq: _Seq) -> None:
+    def _finish(self, cx: _Context, sq: _Seq) -> None:
         """A sequence is done: its cells become a prompt-cache entry (the first choice, when caching), or free."""
         self._free_grammar(sq)
         if sq.seq_id < 0:
             return
-        if loop.cache.capacity and sq.index == 0 and sq.req.cache_prompt and sq.fed:
-            for sid in loop.cache.add(sq.key, sq.fed, sq.seq_id):
-                self._forget(loop, sid)
+        if cx.cache.capacity and sq.index == 0 and sq.req.cache_prompt and sq.fed:
+            for sid in cx.cache.add(sq.key, sq.fed, sq.seq_id):
+                self._forget(cx, sid)
         else:
-            self._forget(loop, sq.seq_id)
+            self._forget(cx, sq.seq_id)
         sq.seq_id = -1
 
-    def _release(self, loop: _Loop, sq: _Seq) -> None:
+    def _release(self, cx: _Context, sq: _Seq) -> None:
         """Free a sequence without caching it."""
         self._free_grammar(sq)
         if sq.seq_id >= 0:
-            self._forget(loop, sq.seq_id)
+            self._forget(cx, sq.seq_id)
             sq.seq_id = -1
 
-    def _drop_cached(self, loop: _Loop, name: str) -> None:
+    def _drop_cached(self, cx: _Context, name: str) -> None:
         """Free the cached cells computed with adapter ``name``."""
-        for sid in loop.cache.drop(name):
-            self._forget(loop, sid)
+        for sid in cx.cache.drop(name):
+            self._forget(cx, sid)
 
-    def _forget(self, loop: _Loop, seq_id: int) -> None:
-        self.lc.llama_memory_seq_rm(loop.mem, seq_id, -1, -1)
-        loop.free.append(seq_id)
+    def _forget(self, cx: _Context, seq_id: int) -> None:
+        self.lc.llama_memory_seq_rm(cx.mem, seq_id, -1, -1)
+        cx.free.append(seq_id)
 
-    def _release_unloaded(self, loop: _Loop) -> None:
+    def _release_unloaded(self, cx: _Context) -> None:
         """For each adapter being unloaded that no active sequence uses: drop its cached cells and detach it;
         lock held."""
-        for name in self._unloading - loop.done_unloads:
-            if any(n == name for sq in loop.active for n, _, _ in sq.key):
+        for name in self._unloading - cx.done_unloads:
+            if any(n == name for sq in cx.active for n, _, _ in sq.key):
                 continue
-            self._drop_cached(loop, name)
-            if loop.current and any(n == name for n, _, _ in loop.current):
-                self.lc.llama_set_adapters_lora(loop.ctx, None, 0, None)
-                loop.current = None
-            loop.done_unloads.add(name)
+            self._drop_cached(cx, name)
+            if cx.current and any(n == name for n, _, _ in cx.current):
+                self.lc.llama_set_adapters_lora(cx.ctx, None, 0, None)
+                cx.current = None
+            cx.done_unloads.add(name)
 
-    def _fail(self, loop: _Loop, e: Exception) -> None:
-        """Hand ``e`` to every request the loop holds and free their sequences."""
-        for sq in loop.active:
+    def _fail(self, cx: _Context, e: Exception) -> None:
+        """Hand ``e`` to every request the context holds and free their sequences."""
+        for sq in cx.active:
             sq.out.put(e)
-            self._release(loop, sq)
-        loop.active = []
+            self._release(cx, sq)
+        cx.active = []
 
     def _prompt_scores(self, ctx, req: GenerationRequest, start: int) -> PromptScores:
         """Each prompt token's log-probability after the first, from the rows decoded at ``start``..."""
@@ -602,11 +662,11 @@ class LlamaCppEngine:
                     self._free_grammar(sq)
             self._pending.clear()
             self._cv.notify_all()
-        for t in getattr(self, "_workers", []):
-            t.join()  # a worker may be inside a long prefill: its context is freed only after it
-        for loop in self._loops:
-            self.lc.llama_free(loop.ctx)
-        self._loops = []
+        if getattr(self, "_worker", None) is not None:
+            self._worker.join()  # a worker may be inside a long prefill: its context is freed only after it
+        for cx in self._contexts:
+            self.lc.llama_free(cx.ctx)
+        self._contexts = []
         with self._lock:
             for ptr in self._adapters.values():
                 self.lc.llama_adapter_lora_free(ptr)

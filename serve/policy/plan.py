@@ -111,13 +111,14 @@ def plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
         raise UserError(f"llama.cpp cannot load {FORMAT_LABELS.get(a.format, a.format)} weights",
                         "serve it with vLLM, or export GGUF from the unquantized model")
     kvb = o["kv_bytes_per_elem"] or 2
-    workers, seqs = o["workers"], o["seqs_per_context"]
+    contexts, seqs = o["contexts"], o["seqs_per_context"]
     cells = math.ceil(load.context_len * seqs / LLAMACPP_KV_PAD) * LLAMACPP_KV_PAD
-    kv, kv_how = _kv(a, cells * workers, kvb, f"{workers} contexts × {_n(cells)} cells = n_ctx {load.context_len} "
+    kv, kv_how = _kv(a, cells * contexts, kvb, f"{contexts} contexts × {_n(cells)} cells = n_ctx {load.context_len} "
                                               f"× {seqs} sequences, padded to {LLAMACPP_KV_PAD}")
     adapters = sum(o["adapter_bytes"])
-    formula = {"weights": w_how, "kv_cache": kv_how + f"; serves up to {workers * seqs} requests at once, "
-                                                      "allocated whatever the concurrency",
+    formula = {"weights": w_how, "kv_cache": kv_how + f"; serves up to {contexts * seqs} requests at once; the "
+                                                      "first context is allocated at start, the others when "
+                                                      "requests of different adapter sets overlap",
                "adapters": f"Σ {len(o['adapter_bytes'])} GGUF LoRA sizes (F32: 2× a bf16 PEFT file, "
                            f"1× an fp32 one) = {_n(adapters)}",
                "total": "weights + kv_cache + adapters in RAM (plus llama.cpp's compute buffers)"}
@@ -155,19 +156,19 @@ def plan_mlx(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
 
 def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter_bytes: Sequence[int] = (),
                 max_lora_rank: int = 16, adapter_slots: int | None = None, kv_bytes_per_elem: int | None = None,
-                workers: int = 2, seqs_per_context: int = LLAMACPP_SEQS_PER_CONTEXT, dtype: str | None = None,
+                contexts: int = 1, seqs_per_context: int = LLAMACPP_SEQS_PER_CONTEXT, dtype: str | None = None,
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> MemoryPlan:
     """Weights + KV cache + adapters for ``engine`` (see ``MemoryPlan.formula`` for each number).
 
     ``adapter_bytes``: each adapter as the engine holds it (``adapter_nbytes``); ``adapter_slots``:
     vLLM's --max-loras (default: min(adapters, concurrency), at least 1); ``kv_bytes_per_elem``: default
-    the model dtype for vLLM and MLX, 2 (F16) for llama.cpp; ``workers``: llama.cpp contexts; ``dtype``:
+    the model dtype for vLLM and MLX, 2 (F16) for llama.cpp; ``contexts``: the most llama.cpp contexts; ``dtype``:
     vLLM's --dtype (vLLM's names), or tuneport's --dtype for llama.cpp and MLX (what an HF base is
     converted to)."""
     spec = engine_spec(engine)
     slots = adapter_slots or max(1, min(load.n_adapters, load.concurrency))
     opts = dict(adapter_bytes=list(adapter_bytes), max_lora_rank=max_lora_rank, adapter_slots=slots,
-                kv_bytes_per_elem=kv_bytes_per_elem, workers=workers, seqs_per_context=seqs_per_context,
+                kv_bytes_per_elem=kv_bytes_per_elem, contexts=contexts, seqs_per_context=seqs_per_context,
                 dtype=dtype, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     return spec.load_planner()(artifact, load, opts)
 
