@@ -9,6 +9,7 @@ from pathlib import Path
 from .checkpoint import SIDE_FILES
 from .export import Progress, open_inputs
 from .io import atomic_dir, write_tensors
+from .load_check import check_hf_dir
 from .manifest import input_entries, write_manifest
 from .merge import MergePlan, merge_one, plan_merge
 from .options import DEFAULT_SHARD_BYTES, ExportOptions, ExportResult, MergeOptions
@@ -45,13 +46,15 @@ def merge_to_dir(opts: MergeOptions, target: str, progress: Progress | None = No
     plan = plan_merge(ckpt, loaded, opts.dtype)
     with atomic_dir(opts.out, force=opts.force) as tmp:
         hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
+        load_check = check_hf_dir(tmp)
         manifest = write_manifest(
             tmp, target, input_entries(ckpt, plan.adapters),
             {"dtype": opts.dtype, "max_shard_bytes": opts.max_shard_bytes, "notes": plan.notes,
              "config_updates": plan.config_updates},
-            known_hashes={tmp / p.name: h for p, h in hashes.items()},
+            known_hashes={tmp / p.name: h for p, h in hashes.items()}, extra={"load_check": load_check},
         )
-    return ExportResult(opts.out, target, manifest, notes=plan.notes, details={"config_updates": plan.config_updates})
+    return ExportResult(opts.out, target, manifest, notes=plan.notes,
+                        details={"config_updates": plan.config_updates, "load_check": load_check})
 
 
 def export_safetensors(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:

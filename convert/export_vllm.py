@@ -19,6 +19,7 @@ from .errors import UserError
 from .export import Progress, open_inputs
 from .export_hf import write_merged
 from .io import atomic_dir
+from .load_check import check_adapter_dirs, check_hf_dir
 from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge
 from .options import ExportOptions, ExportResult, model_name
@@ -121,10 +122,12 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         plan = plan_merge(ckpt, loaded, opts.dtype)
         with atomic_dir(opts.out, force=opts.force) as tmp:
             hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
+            load_check = check_hf_dir(tmp)
             write_launch(tmp, launch_args(".", served, adapters={}, max_rank=0, dtype=vllm_dtype))
             manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                       {"adapters": "merge", "dtype": opts.dtype, "notes": plan.notes},
-                                      known_hashes={tmp / p.name: h for p, h in hashes.items()})
+                                      known_hashes={tmp / p.name: h for p, h in hashes.items()},
+                                      extra={"load_check": load_check})
         return ExportResult(opts.out, "vllm", manifest, notes=[*plan.notes, serve_note])
 
     if not loaded:
@@ -151,7 +154,9 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
             paths[w.adapter.name] = f"adapters/{w.adapter.name}"
         write_launch(tmp, launch_args("base", served, adapters=paths, max_rank=max_rank, dtype=vllm_dtype))
         fixes = {pf.adapter: pf.fixes for pf in results}
+        load_check = {"base": check_hf_dir(base_dir),
+                      "adapters": check_adapter_dirs(base_dir, [tmp / p for p in paths.values()])}
         manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                   {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype},
-                                  extra={"fixes": fixes})
+                                  extra={"fixes": fixes, "load_check": load_check})
     return ExportResult(opts.out, "vllm", manifest, notes=[serve_note], fixes={k: v for k, v in fixes.items() if v})

@@ -322,3 +322,71 @@ def test_modelfile_system_is_the_templates_default_system_prompt():
     failing = "{{ raise_exception('no') }}<|im_start|><|im_end|>"
     text, warning = modelfile("m.gguf", failing)
     assert "SYSTEM" not in text and "TEMPLATE" in text and warning is None
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-character map: the 256 tokens of a byte-level BPE vocabulary with no merges."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def test_bpe_tokenizer_without_merges_exports_a_loadable_gguf(zoo, tmp_path, cli):
+    """A byte-level BPE vocabulary of the byte alphabet and specials, with no merges: llama.cpp needs the
+    merges key even when empty ("cannot find tokenizer merges in model file" otherwise); the GGUF loads and
+    tokenizes byte by byte as HF does."""
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(zoo.base("qwen2"), base)
+    tj = json.loads((base / "tokenizer.json").read_text())
+    specials = {t["content"]: t["id"] for t in tj["added_tokens"]}
+    vocab = {c: i for i, c in enumerate(byte_alphabet())}
+    tj["added_tokens"] = [{**t, "id": 256 + k} for k, t in enumerate(tj["added_tokens"])]
+    vocab.update({content: 256 + k for k, content in enumerate(specials)})
+    tj["model"]["vocab"], tj["model"]["merges"] = vocab, []
+    (base / "tokenizer.json").write_text(json.dumps(tj))
+    out = tmp_path / "gguf"
+    export(cli, "--base", base, "--quant", "f16", "--out", out)
+    tok = AutoTokenizer.from_pretrained(base)
+    llm = llamacpp_model(out / f"{base.name}-F16.gguf")
+    try:
+        for s in ("hello world", "naïve café", "x = 1\n"):
+            hf = tok(s).input_ids
+            assert llm.tokenize(s.encode(), add_bos=False, special=True) == hf, s
+            assert len(hf) == len(s.encode())  # no merges: one token per byte
+    finally:
+        llm.close()
+
+
+def test_an_export_llamacpp_cannot_load_is_refused_and_leaves_nothing(zoo, tmp_path, cli, monkeypatch):
+    """The load check before the final rename: a vocabulary written without its merges (the bug above, put
+    back) is exit 2 with llama.cpp's own reason, and nothing at the output path."""
+    from tuneport.convert.gguf.vocab import GGUFVocab
+
+    write = GGUFVocab.write
+
+    def without_merges(self, writer):
+        self.merges = None
+        write(self, writer)
+
+    monkeypatch.setattr(GGUFVocab, "write", without_merges)
+    out = tmp_path / "gguf"
+    err = refused(cli, out, "--base", zoo.base("qwen2"), "--quant", "f16",
+                  expect="llama.cpp cannot load the exported qwen2-fp32-F16.gguf: error loading model vocabulary: "
+                  "cannot find tokenizer merges in model file")
+    assert not list(tmp_path.glob(".tuneport-tmp-*")), err
+
+
+def test_the_manifest_records_the_load_check(zoo, tmp_path, cli):
+    out = tmp_path / "gguf"
+    res = export(cli, "--base", zoo.base("llama"), "--quant", "f16,q8_0", "--adapters", "separate",
+                 "--adapter", f"plain={zoo.adapter('llama', 'plain')}", "--out", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["load_check"] == "loaded by llama.cpp: 2 model(s), 1 adapter(s)", (res, manifest.keys())

@@ -22,6 +22,7 @@ from .model import GGUFModelPlan, plan_gguf_model, write_gguf_models
 from .modelfile import modelfile
 from .quant_types import QUANT_TYPES, QuantType, parse_quant_list
 from .quantize import IMATRIX_HINT, quantize_with_llamacpp
+from .runtime import check_loads
 from .vocab import read_vocab
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,18 @@ def build_imatrix(opts: ExportOptions, plan: MergePlan, arch: ArchSpec, tok_dir:
                              opts.calib_seqlen or None, max_len)  # its default seqlen fits the context
     log.info("importance matrix: %d samples of %d tokens from %s", *calib.ids.shape, calib.source)
     return compute_imatrix(plan, arch, calib.ids, dataset=calib.source), calib.describe()
+
+
+def prove_loads(models: list[Path], loras: list[Path]) -> str:
+    """Every exported model and LoRA opened by llama.cpp before the output is renamed into place (UserError
+    with llama.cpp's reason when one does not load); what was checked, for the manifest."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "not checked: llama-cpp-python is not installed (pip install 'tuneport[llamacpp]')"
+    for i, model in enumerate(models):
+        check_loads(model, loras if i == 0 else ())
+    return f"loaded by llama.cpp: {len(models)} model(s), {len(loras)} adapter(s)"
 
 
 def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -110,6 +123,9 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             path = tmp / "adapters" / f"{adapter.name}-F32.gguf"
             write_gguf_lora(path, lora, arch, adapter.name)
             lora_files[adapter.name] = path
+        load_check = prove_loads([files[q.name] for q in quants], list(lora_files.values()))
+        if not load_check.startswith("loaded"):
+            warnings.append(f"GGUF files {load_check}")
         shutil.rmtree(scratch)
         main = quants[0]
         eos = vocab.tokens[vocab.special["eos"]] if "eos" in vocab.special else None
@@ -121,7 +137,8 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             (tmp / f"Modelfile.{aname}").write_text(text)
         details = {"models": {q.name: files[q.name].name for q in quants},
                    "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
-                   "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded}}
+                   "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded},
+                   "load_check": load_check}
         if imatrix is not None:
             details["calibration"] = calibration
             details["imatrix"] = {"file": IMATRIX_FILE, **imatrix.describe(),

@@ -279,6 +279,14 @@ def _hashing_writer(path: Path, arch: str):
         def sha256(self) -> str:
             return self.fout[0].hasher.hexdigest()
 
+        def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:
+            """gguf-py refuses an empty array; GGUF allows one (its element type given), and llama.cpp needs
+            some keys present even when empty (a BPE vocabulary's merges)."""
+            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
     return HashingGGUFWriter(str(path), arch)
 
 

@@ -8,18 +8,28 @@ import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from ..errors import UserError
 
 log = logging.getLogger("tuneport.llamacpp")
 _lock = threading.Lock()
-_state: dict = {"depth": 0, "saved": None, "callback": None, "partial": ""}
+_state: dict = {"depth": 0, "saved": None, "callback": None, "partial": "", "level": 0, "errors": None}
+GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5  # ggml_log_level: a CONT piece continues the line's level
 
 
 def _forward(level: int, text: bytes, user_data) -> None:
-    """llama.cpp log callback: whole lines to ``log.debug`` (llama.cpp sends a line in pieces)."""
+    """llama.cpp log callback: whole lines to ``log.debug`` (llama.cpp sends a line in pieces); error lines
+    also to the list :func:`llamacpp_errors` collects, when one does."""
     with _lock:
+        if level != GGML_LOG_LEVEL_CONT:
+            _state["level"] = level
         buf = _state["partial"] + text.decode("utf-8", "replace")
         *lines, _state["partial"] = buf.split("\n")
+        errors = _state["errors"] if _state["level"] == GGML_LOG_LEVEL_ERROR else None
+        if errors is not None:
+            errors += [line.strip() for line in lines if line.strip()]
     for line in lines:
         if line.strip():
             log.debug("%s", line.rstrip())
@@ -47,6 +57,56 @@ def llamacpp_logging() -> Iterator[None]:
             if _state["depth"] == 0:
                 llama_cpp.llama_log_set(*_state["saved"])
                 _state["saved"] = None
+
+
+@contextlib.contextmanager
+def llamacpp_errors() -> Iterator[list[str]]:
+    """llama.cpp's log routed as :func:`llamacpp_logging` does, and its error lines collected meanwhile."""
+    errors: list[str] = []
+    with llamacpp_logging():
+        with _lock:
+            previous, _state["errors"] = _state["errors"], errors
+        try:
+            yield errors
+        finally:
+            with _lock:
+                _state["errors"] = previous
+
+
+def llamacpp_reason(errors: list[str]) -> str:
+    """The most telling of llama.cpp's error lines: the loader's own reason when it gave one, else the last."""
+    for line in errors:
+        if "error loading model: " in line:
+            return line.split("error loading model: ", 1)[1]
+    return errors[-1].split(": ", 1)[-1] if errors else "no reason logged"
+
+
+def check_loads(model: Path, loras: Sequence[Path] = ()) -> None:
+    """Prove llama.cpp loads ``model`` (its vocabulary, metadata and every tensor's name, type and shape, the
+    data mapped, not evaluated) and each GGUF LoRA in ``loras`` against it; UserError with llama.cpp's reason
+    otherwise."""
+    import llama_cpp as lc
+
+    with llamacpp_errors() as errors:
+        lc.llama_backend_init()
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_mmap = True
+        params.use_extra_bufts = False  # no weight repacking: nothing is read that the check does not need
+        model_ptr = lc.llama_model_load_from_file(str(model).encode(), params)
+        if not model_ptr:
+            raise UserError(f"llama.cpp cannot load the exported {model.name}: {llamacpp_reason(errors)}",
+                            "this export would not run; report it with the input that produced it")
+        try:
+            for path in loras:
+                adapter = lc.llama_adapter_lora_init(model_ptr, str(path).encode())
+                if not adapter:
+                    raise UserError(f"llama.cpp cannot load the exported adapter {path.name}: "
+                                    f"{llamacpp_reason(errors)}",
+                                    "this export would not run; report it with the input that produced it")
+                lc.llama_adapter_lora_free(adapter)
+        finally:
+            lc.llama_model_free(model_ptr)
 
 
 def current_log_callback() -> int | None:

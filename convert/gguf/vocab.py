@@ -53,8 +53,13 @@ class GGUFVocab:
         if self.scores is not None:
             writer.add_token_scores(self.scores)
         writer.add_token_types(self.types)
-        if self.merges is not None:
+        if self.merges:
             writer.add_token_merges(self.merges)
+        elif self.merges is not None:  # llama.cpp refuses a BPE vocabulary without the key, even one of no merges
+            import gguf
+
+            writer.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY,
+                                 sub_type=gguf.GGUFValueType.STRING)
         setters = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
                    "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
         for kind, tid in self.special.items():

@@ -1,0 +1,105 @@
+"""Proof that an exported HF directory opens in the readers its engines use, before the output is renamed into
+place: the config and tokenizer through transformers, and every tensor's name and shape against the model
+transformers (and vLLM, which reads the same names) builds from that config — built on the meta device, so
+nothing is allocated. A vLLM adapter directory's config through PEFT, and each LoRA tensor against a module of
+that model. A failure is a UserError with the reader's reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+from .errors import UserError
+from .safetensors_file import SafetensorsFile
+
+log = logging.getLogger(__name__)
+HINT = "this export would not load; report it with the input that produced it"
+
+
+def _written_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        shapes.update({name: tuple(meta.shape) for name, meta in SafetensorsFile(f).tensors.items()})
+    return shapes
+
+
+def _tied_keys(model) -> set[str]:
+    """Weights a checkpoint may leave out because they are tied to another (transformers 4: a list, 5: a dict)."""
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def _meta_model(path: Path):
+    """The config and the model transformers builds from it, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any reader failure is the export's fault, said with its reason
+        raise UserError(f"transformers cannot read the exported config.json: {str(e).splitlines()[0][:200]}",
+                        HINT) from e
+    with torch.device("meta"), contextlib.redirect_stdout(None):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_hf_dir(path: Path) -> str:
+    """Check the HF model directory ``path`` (config, tokenizer, tensor names and shapes); what was checked."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "not checked: transformers is not installed (pip install 'tuneport[hf]')"
+    model = _meta_model(path)
+    if any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"transformers cannot load the exported tokenizer: {str(e).splitlines()[0][:200]}",
+                            HINT) from e
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    written = _written_shapes(path)
+    missing = sorted(set(expected) - set(written) - _tied_keys(model))
+    unexpected = sorted(set(written) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(written) if expected[n] != written[n])
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("with the wrong shape", wrong)):
+        if names:
+            raise UserError(f"the exported model has {len(names)} tensor(s) {what} for {type(model).__name__} "
+                            f"(first: {names[0]})", HINT)
+    return f"loaded by transformers' readers: config, tokenizer, {len(written)} tensors' names and shapes"
+
+
+def check_adapter_dirs(base: Path, adapters: list[Path]) -> str:
+    """Check each PEFT adapter directory vLLM will load: its config through PEFT, each LoRA tensor on a module
+    of the base model with the shapes that module needs."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        return "not checked: peft is not installed (pip install 'tuneport[hf]')"
+    modules = dict(_meta_model(base).named_modules())
+    for adapter in adapters:
+        try:
+            config = LoraConfig.from_pretrained(adapter)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"PEFT cannot read the exported {adapter.name}/adapter_config.json: "
+                            f"{str(e).splitlines()[0][:200]}", HINT) from e
+        for name, shape in _written_shapes(adapter).items():
+            if ".lora_" not in name:
+                continue  # saved whole modules are checked by vLLM's own rules before writing
+            module_name, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, "weight"):
+                raise UserError(f"the exported adapter {adapter.name} has {name}, which is not a module of the base",
+                                HINT)
+            out_dim, in_dim = module.weight.shape[:2]
+            if kind.startswith("A") and shape[1:] != (in_dim,) or kind.startswith("B") and shape[:1] != (out_dim,):
+                raise UserError(f"the exported adapter {adapter.name} has {name} of shape {list(shape)}, which does "
+                                f"not fit {module_name} ({out_dim} x {in_dim})", HINT)
+        log.debug("adapter %s: rank %s, %s", adapter.name, config.r, json.dumps(sorted(config.target_modules or [])))
+    return f"read by PEFT and checked against the base's modules: {len(adapters)} adapter(s)"
