@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Seq(Sequence):
-    """One choice inside a decode cx: its adapter set, sequence id, position, and grammar sampler."""
+    """One choice inside the decode loop: its adapter set, sequence id, position, and grammar sampler."""
 
     key: tuple = ()
     seq_id: int = -1
@@ -368,7 +368,8 @@ class LlamaCppEngine:
     def _place(self, key: tuple, size: int, room: dict[int, int], keys: dict[int, set]) -> _Context | None:
         """The context for a request of adapter set ``key``: the one decoding that set, else an idle one (the
         one last attached to it first: its cache has the set's prompts), else None while another context may
-        still be created, else the one with the fewest adapter sets. None when none has room."""
+        still be created (every context is full or busy with other sets), else the one with the fewest adapter
+        sets. None when none has room."""
         fits = [cx for cx in self._contexts if room[id(cx)] >= size]
         same = [cx for cx in fits if key in keys[id(cx)]]
         if same:
@@ -384,7 +385,7 @@ class LlamaCppEngine:
         """One more context for the loop; when llama.cpp cannot make it (memory), the loop keeps those it has."""
         try:
             cx = self._new_context()
-        except UserError as e:
+        except Exception as e:  # noqa: BLE001 - memory or llama.cpp: the loop goes on with the contexts it has
             log.warning("llama.cpp: no context beyond %d (%s): adapter sets share them", len(self._contexts), e)
             self.n_contexts = len(self._contexts)
             return

@@ -118,7 +118,7 @@ def plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
     adapters = sum(o["adapter_bytes"])
     formula = {"weights": w_how, "kv_cache": kv_how + f"; serves up to {contexts * seqs} requests at once; the "
                                                       "first context is allocated at start, the others when "
-                                                      "requests of different adapter sets overlap",
+                                                      "every context is full or busy with other adapter sets",
                "adapters": f"Σ {len(o['adapter_bytes'])} GGUF LoRA sizes (F32: 2× a bf16 PEFT file, "
                            f"1× an fp32 one) = {_n(adapters)}",
                "total": "weights + kv_cache + adapters in RAM (plus llama.cpp's compute buffers)"}
