@@ -60,6 +60,7 @@ class Backend(ABC):
 
     engine: ClassVar[str]  # the registry name
     weighted_mixes: ClassVar[bool] = False  # whether a request may mix adapters ({"adapters": {name: weight}})
+    default_max_tokens: ClassVar[int | None] = None  # tokens a request that names none gets; None: the context
 
     def __init__(self, name: str, max_adapters: int, adapter_dir: Path | None = None) -> None:
         self.name = name

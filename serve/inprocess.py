@@ -49,6 +49,8 @@ class InProcessBackend(Backend):
     """A backend over an in-process token engine; subclasses implement the engine hooks below."""
 
     max_choices = 1  # the most choices (n) one request may ask for
+    default_max_tokens = 16  # OpenAI's completions default, for chat too
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens: a longer prompt answers 400
     chat_template: str | None = None  # the chat template's source (tools are honoured where it renders them)
 
     @classmethod
@@ -59,6 +61,7 @@ class InProcessBackend(Backend):
 
         startup = opts.startup_adapters(must_fit=opts.pin)
         backend = cls(opts.base, max_adapters=opts.max_adapters, adapter_dir=opts.adapter_dir, **engine_options)
+        backend.max_prompt_tokens = opts.max_prompt_tokens
         try:
             for name, path in startup.items():
                 backend.pool.add(name, resolve_adapter_path(path), pinned=opts.pin, trusted=True)
@@ -142,9 +145,13 @@ class InProcessBackend(Backend):
             prompts = self.prompts(r.prompt, echo)
             max_tokens = r.max_tokens
         base = dict(adapters=adapters, n=r.n, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
-                    grammar=grammar, max_tokens=16 if max_tokens is None else max_tokens,
+                    grammar=grammar, max_tokens=self.default_max_tokens if max_tokens is None else max_tokens,
                     temperature=r.temperature, top_p=r.top_p, seed=r.seed, ignore_eos=r.ignore_eos,
                     cache_prompt=r.cache_prompt)
+        longest = max(len(ids) for ids, _ in prompts)
+        if self.max_prompt_tokens is not None and longest > self.max_prompt_tokens:
+            raise ApiError(f"the prompt is {longest} tokens, over this server's limit of {self.max_prompt_tokens} "
+                           "(--max-prompt-tokens)", "shorten the prompt")
         usage.prompt_tokens = sum(len(ids) for ids, _ in prompts)
         return Plan(kind, r, [GenerationRequest(prompt_tokens=ids, **base) for ids, _ in prompts],
                     [text for _, text in prompts], adapters, r.stops, logprobs, syntax)

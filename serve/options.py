@@ -54,10 +54,14 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the Python API's Server.url tells which)
     api_key_file: Path | None = None
+    admin_key_file: Path | None = None  # the admin API's own key; None: the API key guards it too
+    max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (400 above)
+    max_concurrent_per_key: int | None = None  # generation requests in flight per key (429 above)
     concurrency: int = 8  # expected simultaneous requests: engine choice and memory plan
     dtype: str = "auto"  # vLLM: model dtype; llama.cpp / MLX with an HF base: the model it converts to
     # llama.cpp and MLX
     n_ctx: int = 2048  # tokens per request (prompt + output)
+    max_prompt_tokens: int | None = None  # the longest prompt in tokens (400 above)
     # llama.cpp
     contexts: int = 1  # the most llama.cpp contexts the decode loop creates (adapter sets each on their own)
     prompt_cache: bool = True  # keep finished sequences' KV cells for reuse under the same adapter set
@@ -81,6 +85,7 @@ class ServeOptions:
         self.adapters = parse_named(self.adapters)
         self.adapter_dir = Path(self.adapter_dir).expanduser() if self.adapter_dir else None
         self.api_key_file = Path(self.api_key_file) if self.api_key_file else None
+        self.admin_key_file = Path(self.admin_key_file) if self.admin_key_file else None
         self.log_file = Path(self.log_file) if self.log_file else None
         self.vllm_args = list(self.vllm_args)
         check_choice("--engine", self.engine, ("auto", *ENGINES))
@@ -88,6 +93,9 @@ class ServeOptions:
         check_choice("--vllm-base-guard", self.vllm_base_guard, BASE_GUARD)
         if self.max_adapters < 1:
             raise UserError("--max-adapters must be at least 1", "")
+        for limit in ("max_tokens_limit", "max_prompt_tokens", "max_concurrent_per_key"):
+            if getattr(self, limit) is not None and getattr(self, limit) < 1:
+                raise UserError(f"{option_flag(limit)} must be at least 1", "leave it out for no limit")
 
     def changed(self) -> dict[str, object]:
         """The options set to something other than their default (the fields a user actually gave)."""
@@ -103,13 +111,31 @@ class ServeOptions:
         return dict(self.adapters)
 
     def read_api_key(self) -> str | None:
-        if self.api_key_file is None:
-            return None
-        try:
-            key = self.api_key_file.read_text().strip()
-        except OSError as e:
-            raise UserError(f"cannot read --api-key-file {self.api_key_file} ({e.strerror})",
-                            "pass a readable file") from e
-        if not key:
-            raise UserError(f"--api-key-file {self.api_key_file} is empty", "write the key into it")
-        return key
+        return read_key_file("--api-key-file", self.api_key_file)
+
+    def gateway_settings(self) -> dict:
+        """The gateway's keys and limits (``create_app``'s keywords); the key files are read here, so an
+        unusable one is refused before the engine starts."""
+        key, admin = self.read_api_key(), read_key_file("--admin-key-file", self.admin_key_file)
+        if key is not None and key == admin:
+            raise UserError(f"--admin-key-file {self.admin_key_file} holds the same key as --api-key-file",
+                            "give the admin API a key of its own")
+        return {"api_key": key, "admin_key": admin, "max_tokens_limit": self.max_tokens_limit,
+                "max_concurrent_per_key": self.max_concurrent_per_key}
+
+
+def read_key_file(flag: str, path: Path | None) -> str | None:
+    """The key in ``path``: one line (surrounding whitespace dropped); refused when unreadable, empty or
+    longer than one line."""
+    if path is None:
+        return None
+    try:
+        key = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise UserError(f"cannot read {flag} {path} ({why})", "pass a readable file") from e
+    if not key:
+        raise UserError(f"{flag} {path} is empty", "write the key into it")
+    if "\n" in key or "\r" in key:
+        raise UserError(f"{flag} {path} holds more than one line", "write the key alone on one line")
+    return key

@@ -61,17 +61,43 @@ def check_name(name: str) -> str:
 
 
 def resolve_inside(path: str | Path, roots: list[Path]) -> Path:
-    """``path`` resolved, refused (403) unless it lies inside one of ``roots``."""
+    """``path`` resolved (symbolic links followed), refused (403) unless it lies inside one of ``roots``,
+    and, for a directory, unless every link in it leads inside them too."""
     raw = str(path)
     if ".." in Path(raw).parts:
         raise PoolError(f"adapter path {raw!r} contains '..'", "pass a path inside the allowed roots", status=403)
     p = Path(raw).expanduser().resolve()
-    for root in roots:
-        r = root.resolve()
-        if p == r or r in p.parents:
-            return p
-    raise PoolError(f"adapter path {raw!r} is outside the allowed roots",
-                    "pass a path under --adapter-dir or one given at start-up", status=403)
+    if not _inside(p, roots):
+        raise PoolError(f"adapter path {raw!r} is outside the allowed roots" + (" once its links are followed"
+                        if p != Path(raw).expanduser().absolute() else ""),
+                        "pass a path under --adapter-dir or one given at start-up", status=403)
+    if p.is_dir() and (out := _link_out(p, roots)) is not None:
+        raise PoolError(f"adapter path {raw!r} holds {str(out.relative_to(p))!r}, a link that leads outside the "
+                        "allowed roots", "copy the file into the adapter directory", status=403)
+    return p
+
+
+def _inside(p: Path, roots: list[Path]) -> bool:
+    return any(p == r or r in p.parents for r in (root.resolve() for root in roots))
+
+
+def _link_out(top: Path, roots: list[Path]) -> Path | None:
+    """The first entry under ``top`` that leads outside ``roots``, links followed (into linked directories
+    too, each directory once)."""
+    seen: set[Path] = set()
+    todo = [top]
+    while todo:
+        folder = todo.pop()
+        if folder.resolve() in seen:
+            continue
+        seen.add(folder.resolve())
+        for entry in sorted(folder.iterdir()):
+            real = entry.resolve()
+            if not _inside(real, roots):
+                return entry
+            if real.is_dir():
+                todo.append(entry)
+    return None
 
 
 class AdapterPool:

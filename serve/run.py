@@ -88,7 +88,7 @@ class Server:
         if dry := [k for k in ("replicas", "gpus_per_replica") if k in opts.changed()]:
             raise UserError(f"{option_flag(dry[0])} applies to the dry run",
                             "add --dry-run (tuneport.serve_plan) to print the commands for several replicas")
-        key = opts.read_api_key()
+        gateway = opts.gateway_settings()  # the key files are read before the engine starts
         self.options = opts
         self._lock = threading.Lock()
         self._closed = False
@@ -99,7 +99,7 @@ class Server:
             self.host, self.port = opts.host, sock.getsockname()[1]
             host = "127.0.0.1" if opts.host in ("0.0.0.0", "") else opts.host
             self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
-            config = uvicorn.Config(create_app(self.backend, api_key=key), log_level="warning",
+            config = uvicorn.Config(create_app(self.backend, **gateway), log_level="warning",
                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
             self._uvicorn = uvicorn.Server(config)
             self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
@@ -186,6 +186,9 @@ def tuneport_argv(opts: ServeOptions, engine: str) -> list[str]:
         argv.append("--no-pin")
     if opts.api_key_file:
         argv += ["--api-key-file", str(opts.api_key_file)]
+    for key in ("admin_key_file", "max_tokens_limit", "max_concurrent_per_key"):  # the gateway's, every engine
+        if getattr(opts, key) is not None:
+            argv += [option_flag(key), str(getattr(opts, key))]
     if opts.dtype != "auto":
         argv += ["--dtype", opts.dtype]
     given, honoured = opts.changed(), engine_spec(engine).options

@@ -166,6 +166,15 @@ def serve(
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
     api_key_file: Annotated[Path | None, typer.Option("--api-key-file", help="Require Bearer <key>")] = None,
+    admin_key_file: Annotated[Path | None, typer.Option("--admin-key-file", help="The admin API (/v1/adapters) "
+                                                        "needs this key, not --api-key-file's")] = None,
+    max_tokens_limit: Annotated[int | None, typer.Option("--max-tokens-limit", min=1, help="Refuse (400) "
+                                                         "max_tokens above N")] = None,
+    max_prompt_tokens: Annotated[int | None, typer.Option("--max-prompt-tokens", min=1, help="llama.cpp, MLX: "
+                                                          "refuse (400) prompts over N tokens")] = None,
+    max_concurrent_per_key: Annotated[int | None, typer.Option("--max-concurrent-per-key", min=1, help="Completion "
+                                                               "and chat requests in flight per key (429 above)")
+                                      ] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Expected simultaneous requests "
                                              "(engine choice and memory plan)")] = 8,
     dtype: Annotated[DType, typer.Option("--dtype", help="vLLM: model dtype; llama.cpp: the GGUF an HF base is "
@@ -203,6 +212,8 @@ def serve(
     opts = ServeOptions(
         base=base, adapters=adapter or [], adapter_dir=adapter_dir, engine=EngineChoice(engine).value,
         max_adapters=max_adapters, pin=not no_pin, host=host, port=port, api_key_file=api_key_file,
+        admin_key_file=admin_key_file, max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
+        max_concurrent_per_key=max_concurrent_per_key,
         concurrency=concurrency, dtype=DType(dtype).value, n_ctx=n_ctx, contexts=contexts, kv_f32=kv_f32,
         prompt_cache=not no_prompt_cache,
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,

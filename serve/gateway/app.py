@@ -19,15 +19,21 @@ from .ops_routes import ops_router
 MAX_BODY_BYTES = 1 << 20
 
 
-def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
-    """The gateway over ``backend``; it uses nothing of the engine but the :class:`Backend` contract."""
+def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, *,
+               admin_key: str | None = None, max_tokens_limit: int | None = None,
+               max_concurrent_per_key: int | None = None) -> FastAPI:
+    """The gateway over ``backend``; it uses nothing of the engine but the :class:`Backend` contract.
+    ``admin_key`` gives the admin API a key of its own (see :class:`Guard`); ``max_tokens_limit`` caps a
+    request's ``max_tokens`` (400 above); ``max_concurrent_per_key`` caps the generation requests each key
+    has in flight (429 above)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         await backend.aclose()
 
     app = FastAPI(title="tuneport gateway", lifespan=lifespan)
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, admin_key=admin_key,
+                       max_concurrent_per_key=max_concurrent_per_key)
     app.add_middleware(AccessLog, metrics=backend.metrics)  # outermost: refusals by Guard are logged too
 
     @app.exception_handler(ApiError)
@@ -38,6 +44,6 @@ def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX
     async def user_error(_: Request, e: UserError):
         return error_response(400, e.line())
 
-    for router in (openai_router(backend), admin_router(backend), ops_router(backend)):
+    for router in (openai_router(backend, max_tokens_limit), admin_router(backend), ops_router(backend)):
         app.include_router(router)
     return app

@@ -1,8 +1,9 @@
-"""Pure ASGI middleware (no per-request task as with ``@app.middleware``): the guard (API key, body size)
-and the access log (one line per request, and the request metrics)."""
+"""Pure ASGI middleware (no per-request task as with ``@app.middleware``): the guard (keys, body size,
+requests in flight per key) and the access log (one line per request, and the request metrics)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
@@ -24,22 +25,71 @@ class AccessRecord:
     usage: Usage = field(default_factory=Usage)
 
 
-class Guard:
-    """API key and body size, checked before any route runs."""
+ADMIN_PREFIX = "/v1/adapters"  # the admin API: GET/POST /v1/adapters, DELETE /v1/adapters/{name}
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # counted per key
 
-    def __init__(self, app, api_key: str | None, max_body: int) -> None:
-        self.app, self.max_body = app, max_body
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+def _digest(value: bytes) -> bytes:
+    """Keys are compared as SHA-256 digests: equal lengths, so ``compare_digest`` leaks not even the length."""
+    return hashlib.sha256(value).digest()
+
+
+class Guard:
+    """Keys, body size and requests in flight per key, checked before any route runs.
+
+    ``api_key`` guards every route; ``admin_key`` (when given) alone opens the admin API and opens the other
+    routes too; without it the API key guards the admin API as well. Each key is compared in constant time,
+    and both are always compared, so the time taken tells nothing of which one matched. With
+    ``max_concurrent_per_key`` a key (or, without keys, all clients together) may have that many completion
+    and chat requests in flight (a stream until its last event); one more answers 429."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, admin_key: str | None = None,
+                 max_concurrent_per_key: int | None = None) -> None:
+        self.app, self.max_body, self.max_concurrent = app, max_body, max_concurrent_per_key
+        self.inference = _digest(f"Bearer {api_key}".encode()) if api_key else None
+        self.admin = _digest(f"Bearer {admin_key}".encode()) if admin_key else None
+        self.in_flight: dict[str, int] = {}
+
+    def _refusal(self, path: str, authorization: bytes) -> tuple[str, tuple[int, str] | None]:
+        """(which key the request holds: "admin", "inference" or "none"; the refusal, if any)."""
+        presented = _digest(authorization)
+        inference = self.inference is not None and hmac.compare_digest(presented, self.inference)
+        admin = self.admin is not None and hmac.compare_digest(presented, self.admin)
+        who = "admin" if admin else "inference" if inference else "none"
+        normal = "/" + "/".join(part for part in path.split("/") if part)  # "//v1//adapters" routes nowhere
+        if self.admin is not None and (normal == ADMIN_PREFIX or normal.startswith(ADMIN_PREFIX + "/")):
+            if admin:
+                return who, None
+            if inference:
+                return who, (403, "the admin API needs the admin key (--admin-key-file), not the API key")
+            return who, (401, "missing or wrong admin key")
+        if self.inference is not None and not (inference or admin):
+            return who, (401, "missing or wrong API key")
+        return who, None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return await error_response(401, "missing or wrong API key", "authentication_error")(scope, receive, send)
+        who, refusal = self._refusal(scope["path"], headers.get(b"authorization", b""))
+        if refusal is not None:
+            status, message = refusal
+            kind = "authentication_error" if status == 401 else "permission_error"
+            return await error_response(status, message, kind)(scope, receive, send)
         if int(headers.get(b"content-length") or 0) > self.max_body:
             return await error_response(413, f"request body over {self.max_body} bytes")(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if self.max_concurrent is None or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        if self.in_flight.get(who, 0) >= self.max_concurrent:
+            busy = error_response(429, f"this key has {self.max_concurrent} requests in flight, the most "
+                                  "--max-concurrent-per-key allows", "rate_limit_error")
+            busy.headers["Retry-After"] = "1"
+            return await busy(scope, receive, send)
+        self.in_flight[who] = self.in_flight.get(who, 0) + 1  # one event loop: no lock needed
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.in_flight[who] -= 1
 
 
 class AccessLog:

@@ -9,11 +9,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..contract import Backend, Kind
+from ..errors import ApiError
 from ..openai_fields import check_fields
 from .middleware import AccessRecord
 
 
-def openai_router(backend: Backend) -> APIRouter:
+def openai_router(backend: Backend, max_tokens_limit: int | None = None) -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/models")
@@ -25,18 +26,20 @@ def openai_router(backend: Backend) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request, body: dict):
-        return await answer(backend, request, "completions", body)
+        return await answer(backend, request, "completions", body, max_tokens_limit)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: dict):
-        return await answer(backend, request, "chat", body)
+        return await answer(backend, request, "chat", body, max_tokens_limit)
 
     return router
 
 
-async def answer(backend: Backend, request: Request, kind: Kind, body: dict):
+async def answer(backend: Backend, request: Request, kind: Kind, body: dict, max_tokens_limit: int | None = None):
     record: AccessRecord = getattr(request.state, "access", None) or AccessRecord()
     record.model, record.generation = str(body.get("model") or backend.name), True
+    if max_tokens_limit is not None:
+        cap_max_tokens(kind, body, max_tokens_limit, backend.default_max_tokens)
     check_fields(kind, body, backend.engine)  # honoured or refused, never dropped
     if not body.get("stream"):
         return JSONResponse(await backend.generate(kind, body, record.usage))
@@ -46,6 +49,23 @@ async def answer(backend: Backend, request: Request, kind: Kind, body: dict):
     except StopAsyncIteration:
         first = b""
     return ClosingStreamingResponse(_then(first, events), media_type="text/event-stream")
+
+
+def cap_max_tokens(kind: Kind, body: dict, limit: int, default: int | None) -> None:
+    """Refuse (400) a ``max_tokens`` (or chat's ``max_completion_tokens``) over ``limit``; a request that names
+    none gets the engine's ``default``, or ``limit`` where that default is larger or unbounded."""
+    fields = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
+    named = False
+    for name in fields:
+        value = body.get(name)
+        if value is None:
+            continue
+        named = True
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
+            raise ApiError(f"'{name}' is {value}, over this server's limit of {limit} (--max-tokens-limit)",
+                           f"ask for at most {limit} tokens")
+    if not named and (default is None or default > limit):
+        body["max_tokens"] = limit
 
 
 async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
