@@ -26,6 +26,13 @@ def _bad(path: Path, what: str) -> UserError:
     )
 
 
+def _count(d: object) -> int:
+    """A dimension: an integer >= 0 (not a bool, a float or a string)."""
+    if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+        raise ValueError(f"bad dimension {d!r}")
+    return d
+
+
 class SafetensorsFile:
     """Header of one ``.safetensors`` file, validated against the file size."""
 
@@ -49,19 +56,23 @@ class SafetensorsFile:
                 raise ValueError("header is not a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
             raise _bad(self.path, f"corrupt header JSON: {str(e)[:80]}") from e
+        except RecursionError as e:
+            raise _bad(self.path, "corrupt header JSON: nested too deeply") from e
         self.size = size
         self._known_sha256 = hash_cache().get(self.path)
         self._hasher = OrderedHasher()
         if self._known_sha256 is None:
             self._hasher.update(head + raw)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise _bad(self.path, "__metadata__ is not a JSON object")
         base = 8 + n
         self.tensors: dict[str, TensorMeta] = {}
         self.offsets: dict[str, int] = {}  # absolute byte offset of each tensor's data
         for name, entry in header.items():
             try:
                 dtype = ST_DTYPES[entry["dtype"]]
-                shape = tuple(int(d) for d in entry["shape"])
+                shape = tuple(_count(d) for d in entry["shape"])
                 lo, hi = (int(x) for x in entry["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise _bad(self.path, f"bad entry for tensor {name!r}") from e
@@ -72,6 +83,10 @@ class SafetensorsFile:
                 raise _bad(self.path, f"tensor {name!r} ends at byte {base + hi}, file has {size}")
             self.tensors[name] = meta
             self.offsets[name] = base + lo
+        spans = sorted((self.offsets[k], self.offsets[k] + m.nbytes, k) for k, m in self.tensors.items() if m.nbytes)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+            if start < end:  # two tensors over the same bytes: the safetensors library refuses it too
+                raise _bad(self.path, f"tensors {first!r} and {second!r} overlap")
 
     def read(self, name: str) -> torch.Tensor:
         info, start = self.tensors[name], self.offsets[name]
