@@ -87,6 +87,9 @@ ARCHS: dict[str, ArchSpec] = {
 
 def arch_for(model_type: str | None) -> ArchSpec:
     """The entry for ``model_type``, or a UserError that lists the supported ones."""
+    if not model_type:
+        raise UserError("config.json names no model_type",
+                        f"add the model_type of its architecture (tuneport supports: {', '.join(sorted(ARCHS))})")
     try:
         return ARCHS[str(model_type)]
     except KeyError:

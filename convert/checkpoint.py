@@ -8,6 +8,7 @@ with ``torch.load(weights_only=True)``, one file at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -67,6 +68,33 @@ def resolve_model_path(spec: str | Path, allow_pickle: bool = False, revision: s
                             "a model directory (or a .gguf file where GGUF is served)", revision)
 
 
+# config.json keys every architecture reads as counts, and as real numbers (top level; others are the engines')
+CONFIG_COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "num_hidden_layers", "vocab_size", "head_dim", "max_position_embeddings")
+CONFIG_REALS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
+
+
+def check_config(config: dict, path: Path) -> None:
+    """Refuse a config.json whose sizes no model can have (a string, zero, heads that do not divide the
+    width), before any exporter computes with them."""
+    def bad(why: str) -> UserError:
+        return UserError(f"{path}: {why}", "repair or re-download config.json")
+
+    for key in CONFIG_COUNTS:
+        v = config.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise bad(f"{key} is {v!r}, not a positive integer")
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    for key, v in [*((k, config.get(k)) for k in CONFIG_REALS), ("rope_parameters.rope_theta", rope.get("rope_theta"))]:
+        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v)):
+            raise bad(f"{key} is {v!r}, not a number")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and config.get("hidden_size") and not config.get("head_dim") and config["hidden_size"] % heads:
+        raise bad(f"hidden_size {config['hidden_size']} is not a multiple of num_attention_heads {heads}")
+    if heads and kv and heads % kv:
+        raise bad(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+
+
 class Checkpoint:
     """Config + tokenizer files + an index of which file holds which tensor. Nothing is read eagerly."""
 
@@ -83,7 +111,13 @@ class Checkpoint:
             self.config: dict = json.loads(cfg_path.read_text())
         except ValueError as e:
             raise UserError(f"{cfg_path} is not valid JSON ({e})", "repair or re-download config.json") from e
+        if not isinstance(self.config, dict):
+            raise UserError(f"{cfg_path} is not a JSON object", "repair or re-download config.json")
         self.model_type: str = self.config.get("model_type", "")
+        if not isinstance(self.model_type, str):
+            raise UserError(f"{cfg_path}: model_type is {self.model_type!r}, not a string",
+                            "repair or re-download config.json")
+        check_config(self.config, cfg_path)
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
         self._pickle_cache: tuple[str, dict[str, torch.Tensor]] | None = None
@@ -97,8 +131,14 @@ class Checkpoint:
         if index.exists():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise UserError(f"{index} is not a valid index ({e})", "repair or re-download it") from e
+                if not isinstance(weight_map, dict):
+                    raise ValueError("weight_map is not an object")
+                for tensor, shard in weight_map.items():
+                    if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+                        raise ValueError(f"{tensor} is in {shard!r}, not a .safetensors file of this directory")
+            except (ValueError, KeyError, TypeError) as e:
+                what = "no weight_map" if isinstance(e, KeyError | TypeError) else str(e)
+                raise UserError(f"{index} is not a valid index ({what})", "repair or re-download it") from e
             shard_names = sorted(set(weight_map.values()))
             missing = [s for s in shard_names if not (self.path / s).exists()]
             if missing:
@@ -110,6 +150,9 @@ class Checkpoint:
                 sf = SafetensorsFile(f)
                 self._files[f.name] = sf
                 for name in sorted(sf.tensors, key=sf.offsets.__getitem__):
+                    if name in self._where:
+                        raise UserError(f"{self.path}: tensor {name} is in both {self._where[name]} and {f.name}",
+                                        "remove the stray file, or repair model.safetensors.index.json")
                     self._where[name] = f.name
                     self._metas[name] = sf.tensors[name]
             return

@@ -48,18 +48,34 @@ def unquantized(ckpt: Checkpoint) -> None:
 
 def known_architecture(ckpt: Checkpoint) -> None:
     arch_for(ckpt.model_type)
+    layers_present(ckpt)
+
+
+def layers_present(ckpt: Checkpoint) -> None:
+    """Every layer config.json counts is in the weights (a missing one would be left random or unloadable)."""
+    arch, n = arch_for(ckpt.model_type), ckpt.config.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return
+    prefix = arch.layer_prefix + "."
+    held = {int(i) for name in ckpt.names() if name.startswith(prefix)
+            and (i := name[len(prefix):].split(".", 1)[0]).isdigit()}
+    if missing := sorted(set(range(n)) - held):
+        raise UserError(f"{ckpt.path}: config.json counts {n} layers but the weights hold no layer {missing[0]}",
+                        "download the missing shards, or repair num_hidden_layers in config.json")
 
 
 def awq_architecture(ckpt: Checkpoint) -> None:
     from .awq.archs import awq_arch_for
 
     awq_arch_for(arch_for(ckpt.model_type).model_type)
+    layers_present(ckpt)
 
 
 def gguf_architecture(ckpt: Checkpoint) -> None:
     from .gguf.model import gguf_arch_for
 
     gguf_arch_for(arch_for(ckpt.model_type))
+    layers_present(ckpt)
 
 
 def mlx_architecture(ckpt: Checkpoint) -> None:
@@ -67,6 +83,7 @@ def mlx_architecture(ckpt: Checkpoint) -> None:
     from .mlx.export import require_mlx
 
     mlx_arch_for(arch_for(ckpt.model_type).model_type)
+    layers_present(ckpt)
     require_mlx()
 
 

@@ -43,6 +43,8 @@ def mlx_model_info(path: Path) -> dict | None:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(cfg, dict):
+        return None  # not a model directory of any kind: Checkpoint says why
     files = sorted(path.glob("model*.safetensors"))
     quant = cfg.get("quantization")
     if not files or not (quant or _st_format(files[0]) == "mlx"):
