@@ -179,9 +179,61 @@ def read_adapter_config(path: Path) -> dict:
     return cfg
 
 
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _names(v: object) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _layers(v: object) -> bool:
+    items = v if isinstance(v, list) else [v]
+    return all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in items)
+
+
+# The values the honoured keys may take (None always passes): (test, what the value must be)
+VALUE_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "r": (_positive_int, "a positive integer"),
+    "lora_alpha": (_finite, "a finite number"),
+    "target_modules": (lambda v: isinstance(v, str) or _names(v), "a list of module names or a regular expression"),
+    "modules_to_save": (_names, "a list of module names"),
+    "layers_to_transform": (_layers, "a layer index or a list of them"),
+    "bias": (lambda v: v in ("none", "all", "lora_only"), "'none', 'all' or 'lora_only'"),
+    **{k: (lambda v: isinstance(v, bool), "true or false")
+       for k in ("use_rslora", "use_dora", "fan_in_fan_out", "lora_bias")},
+}
+
+
+def value_refusals(cfg: dict) -> list[str]:
+    """The honoured keys whose values are not what PEFT writes (a string rank, a NaN alpha, a bad pattern)."""
+    problems = [f"{key}={cfg[key]!r} must be {what}" for key, (ok, what) in VALUE_RULES.items()
+                if cfg.get(key) is not None and not ok(cfg[key])]
+    for key, ok, what in (("rank_pattern", _positive_int, "a positive integer"),
+                          ("alpha_pattern", _finite, "a finite number")):
+        patterns = cfg.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            problems.append(f"{key}={patterns!r} must be an object {{module pattern: value}}")
+            continue
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                problems.append(f"{key} key {pattern!r} is not a regular expression ({e})")
+            if not ok(value):
+                problems.append(f"{key}[{pattern!r}]={value!r} must be {what}")
+    return problems
+
+
 def config_refusals(cfg: dict) -> list[str]:
     """Every reason tuneport cannot apply this adapter config faithfully."""
-    problems = []
+    problems = value_refusals(cfg)
     for key, value in cfg.items():
         rule = CONFIG_KEYS.get(key)
         if rule is None:
@@ -272,10 +324,15 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
     for module, p in parts.items():
         kind = "embedding" if "lora_embedding_A" in p or "lora_embedding_B" in p else "linear"
         a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if kind == "embedding" else ("lora_A", "lora_B")
-        if a_key not in p or b_key not in p:
-            raise UserError(f"adapter {adapter.path}: module {module} lacks {a_key} or {b_key}",
+        if lacks := [k for k in (a_key, b_key) if k not in p]:
+            raise UserError(f"adapter {adapter.path}: module {module} lacks {lacks[0]}",
                             "the adapter file is incomplete: re-save it")
         A, B = p[a_key], p[b_key]
+        for part, t in ((a_key, A), (b_key, B)):
+            if t.dim() != 2 or not t.is_floating_point():
+                raise UserError(f"adapter {adapter.path}: {module}.{part} is {str(t.dtype).removeprefix('torch.')} "
+                                f"{list(t.shape)}, not a matrix of floating-point numbers",
+                                "the adapter file is corrupt: re-save it")
         rank = A.shape[0]
         if B.shape[-1] != rank:
             raise UserError(f"adapter {adapter.path}: {module} has A rank {rank} but B {list(B.shape)}",
@@ -294,6 +351,9 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
             magnitude=magnitude.reshape(-1) if magnitude is not None else None,
             bias=p.get("lora_B.bias"), fan_in_fan_out=fifo and kind == "linear",
         )
+    if not parts and not wrapped:
+        raise UserError(f"adapter {adapter.path} holds no LoRA tensors",
+                        "pass the directory PEFT's save_pretrained() wrote after training")
     if cfg.get("use_dora") and not adapter.use_dora:
         raise UserError(f"adapter {adapter.path} says use_dora but has no lora_magnitude_vector",
                         "the adapter file is incomplete: re-save it")
