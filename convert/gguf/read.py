@@ -6,22 +6,64 @@ Used by ``inspect``, the serving policy and the llama.cpp backend, so all three 
 
 from __future__ import annotations
 
+import re
+import struct
 from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
 
+GGML_MAX_DIMS = 4  # llama.cpp refuses a tensor with more
+VERSIONS = (2, 3)  # the GGUF versions llama.cpp and the gguf package read
+
+
+def _bad(path: str | Path, why: str) -> UserError:
+    return UserError(f"{path} is not a valid GGUF file ({why})", "re-export or re-download it")
+
+
+def _problem(path: str | Path, e: Exception) -> str:
+    """What is wrong with a file ``GGUFReader`` refused, in words (its own messages are numpy's)."""
+    try:
+        with open(path, "rb") as f:
+            head, size = f.read(8), Path(path).stat().st_size
+    except OSError as oe:
+        return f"cannot read it: {oe.strerror}"
+    if size == 0:
+        return "the file is empty"
+    if head[:4] != b"GGUF":
+        return f"it starts with {head[:4]!r}, not GGUF"
+    if len(head) == 8:
+        version = min(struct.unpack("<I", head[4:])[0], struct.unpack(">I", head[4:])[0])  # either byte order
+        if version not in VERSIONS:
+            return f"GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, VERSIONS))}"
+    msg = str(e)
+    if m := re.search(r"\((\d+)\) is not a valid (GGUFValueType|GGMLQuantizationType)", msg):
+        return f"unknown {'metadata value' if m[2] == 'GGUFValueType' else 'tensor'} type {m[1]}"
+    if isinstance(e, ValueError) and "duplicated tensor" in msg:
+        return f"two tensors named {msg.rsplit(' ', 1)[-1]}"
+    if isinstance(e, ValueError) and "alignment" in msg:
+        return "general.alignment is not a power of two"
+    return f"truncated or corrupt: its metadata or tensors run past its {size} bytes"
+
 
 def open_gguf(path: str | Path):
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, nothing loaded); UserError if it is not GGUF."""
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, nothing loaded); UserError if it is not GGUF, or
+    not a file llama.cpp would load (a tensor of more than 4 dimensions, or data off the alignment)."""
     try:
         from gguf import GGUFReader
     except ImportError as e:
         raise UserError("reading GGUF needs the gguf package", "pip install 'tuneport[gguf]'") from e
     try:
-        return GGUFReader(str(path))
+        reader = GGUFReader(str(path))
     except Exception as e:
-        raise UserError(f"{path} is not a valid GGUF file ({type(e).__name__})", "re-export or re-download it") from e
+        raise _bad(path, _problem(path, e)) from e
+    align = int(reader.alignment)
+    for t in reader.tensors:
+        if len(t.shape) > GGML_MAX_DIMS:
+            raise _bad(path, f"tensor {t.name} has {len(t.shape)} dimensions; llama.cpp allows {GGML_MAX_DIMS}")
+        if (int(t.data_offset) - int(reader.data_offset)) % align:
+            raise _bad(path, f"tensor {t.name}'s data is not aligned to {align} bytes")
+    return reader
 
 
 def gguf_field(reader, key: str) -> Any:
