@@ -232,8 +232,8 @@ class Release:
         return "gates failed, nothing published: " + "; ".join(bad)
 
     def run(self) -> dict:
+        self.resolve_inputs()  # a bad input is refused before the release directory exists
         self.out.mkdir(parents=True, exist_ok=True)
-        self.resolve_inputs()
         done = self.run_targets()
         self.verify_all(done)
         self.write_files()
