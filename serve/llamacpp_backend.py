@@ -116,7 +116,10 @@ class LlamaCppBackend(InProcessBackend):
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.chat_template:
             raise ApiError("the model has no chat template", "use /v1/completions")
-        prompt, add_bos = self._chat_renderer(messages, tools)
+        try:
+            prompt, add_bos = self._chat_renderer(messages, tools)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's (jinja, bad message shapes)
+            raise ApiError(f"the chat template cannot render these messages: {e}") from e
         return self.llama.tokenize(prompt, add_bos, special=True)
 
     @property

@@ -71,6 +71,24 @@ class ChatRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _message_shapes(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What a chat template may index: a role string, content text (or a list of parts), tool calls as
+        objects with a function object (anything else was a template crash, a 500)."""
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"message {i} needs a 'role' string")
+            content = m.get("content")
+            if content is not None and not isinstance(content, str) and not (
+                    isinstance(content, list) and all(isinstance(part, dict) for part in content)):
+                raise ValueError(f"message {i}'s 'content' must be a string or a list of content parts")
+            calls = m.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+                raise ValueError(f"message {i}'s 'tool_calls' must be a list of objects with a 'function' object")
+        return messages
+
     def top_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("'top_logprobs' needs 'logprobs': true")
@@ -94,6 +112,7 @@ def parse_request(kind: str, body: dict) -> CompletionRequest | ChatRequest:
         first: dict[str, str] = {}
         for err in e.errors():
             name = str(err["loc"][0]) if err["loc"] else "body"
-            first.setdefault(name, f"must be {shapes[name]}" if name in shapes else err["msg"])
+            first.setdefault(name, f"must be {shapes[name]}" if name in shapes
+                             else err["msg"].removeprefix("Value error, "))
         raise ApiError("; ".join(f"'{f}' {msg}" if msg.startswith("must") else f"'{f}': {msg}"
                                  for f, msg in list(first.items())[:3])) from None

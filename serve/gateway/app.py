@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from tuneport.convert.errors import UserError
 
@@ -44,6 +46,28 @@ def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX
     async def user_error(_: Request, e: UserError):
         return error_response(400, e.line())
 
+    @app.exception_handler(RequestValidationError)  # FastAPI's 422 for a body that is not a JSON object
+    async def bad_body(_: Request, e: RequestValidationError):
+        return error_response(400, body_problem(e.errors()))
+
+    @app.exception_handler(HTTPException)  # unknown routes, wrong methods, unparsable bodies: OpenAI-style too
+    async def http_error(_: Request, e: HTTPException):
+        response = error_response(e.status_code, str(e.detail),
+                                  "invalid_request_error" if e.status_code < 500 else "upstream_error")
+        response.headers.update(e.headers or {})
+        return response
+
     for router in (openai_router(backend, max_tokens_limit), admin_router(backend), ops_router(backend)):
         app.include_router(router)
     return app
+
+
+def body_problem(errors: list[dict]) -> str:
+    """FastAPI's complaint about a request body, as the one line a client reads."""
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            at = f" at character {err['loc'][1]}" if len(err.get("loc", ())) > 1 else ""
+            return f"the request body is not valid JSON ({(err.get('ctx') or {}).get('error', 'decode error')}{at})"
+    if all(tuple(err.get("loc", ()))[:1] == ("body",) for err in errors):
+        return "the request body must be a JSON object"
+    return "; ".join(str(err.get("msg")) for err in errors[:3])
