@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -172,6 +173,9 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
     return removed
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the disk, a quota or a file-size limit is full
+
+
 @contextlib.contextmanager
 def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory of ``out``; on success fsync and rename it to ``out``.
@@ -199,6 +203,12 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
         else:
             tmp.rename(out)
         fsync_dir(out.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in NO_SPACE:
+            raise UserError(f"no space left on the device of {out.parent} while writing {out.name}",
+                            "free space there or write elsewhere (nothing was left at the output path)") from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

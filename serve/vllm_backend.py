@@ -34,8 +34,10 @@ from .http import error_message
 from .pool import PoolError, check_name
 from .tool_calls import syntax_in, template_of
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
+from .vllm_preflight import check_vllm_cpu
 
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
+ENGINE_DEAD_AFTER_S = 2.0  # vLLM's /health failing this long (or its process gone): its engine is dead
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -73,6 +75,8 @@ class VllmPlan:
         self.name = model_name(opts.base)
         if write:
             check_4bit_runs_here(self.ckpt, opts.dtype)
+            if vllm_platform() == "cpu":
+                check_vllm_cpu(self.ckpt, opts.max_model_len, VLLM_DTYPES.get(opts.dtype))
         self.awq_scales = read_scales(self.ckpt.path)  # adapters over an AWQ base are rewritten with these
         self.awq_digest = scales_digest(self.ckpt.path) if self.awq_scales else None
         self.bugs = bugs_that_apply()
@@ -175,6 +179,9 @@ class VllmBackend(Backend):
             raise
         self.url = self.process.url
         self.admin = VllmAdapters(self.url)
+        self._start_timeout_s, self._env = start_timeout_s, env
+        self._unhealthy_since: float | None = None  # when vLLM's /health first failed in a row
+        self._failure: str | None = None
         for name, path in plan.startup.items():  # the user's path (allowed for reloads), vLLM's copy's size
             self.pool.register(name, plan.sources[name], pinned=opts.pin, nbytes=_size(path))
         self._client: httpx.AsyncClient | None = None
@@ -273,7 +280,44 @@ class VllmBackend(Backend):
 
     # -- state ---------------------------------------------------------------------------------------
     def health(self) -> bool:
-        return self.process.alive()
+        return self.process.alive() and self._failure is None
+
+    def failure(self) -> str | None:
+        """vLLM's exit, or its engine dead behind a live API server (its /health failing for
+        ``ENGINE_DEAD_AFTER_S``: the first request on a model it cannot run kills its engine core), with
+        the last error line of its log."""
+        if self._failure is None:
+            if not self.process.alive():
+                self._failure = (f"vLLM exited with code {self.process.proc.returncode}: "
+                                 f"{self.process.failure_line()}")
+            elif self._vllm_health_ok():
+                self._unhealthy_since = None
+            else:
+                now = time.monotonic()
+                self._unhealthy_since = self._unhealthy_since or now
+                if now - self._unhealthy_since >= ENGINE_DEAD_AFTER_S:
+                    self._failure = f"vLLM's engine stopped answering: {self.process.failure_line()}"
+        return self._failure
+
+    def _vllm_health_ok(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=ENGINE_DEAD_AFTER_S).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def restart(self) -> None:
+        """A new vLLM child with the same launch (start-up adapters included), then the adapters loaded at
+        runtime loaded again; requests meanwhile get 502."""
+        self.admin.close()
+        self.process.stop()
+        self.process = VllmProcess(self.plan.launch, self.process.log_path, self._env)
+        self.process.wait_healthy(self._start_timeout_s)
+        self.url = self.process.url
+        self.admin = VllmAdapters(self.url)
+        for state in self.pool.states():
+            if state["name"] not in self.plan.startup:
+                self.attach_adapter(state["name"], Path(state["path"]))
+        self._unhealthy_since = self._failure = None
 
     def describe(self) -> dict:
         return {**super().describe(), "vllm_url": self.url, "base_guard": self.guard,

@@ -198,6 +198,8 @@ def serve(
     base_guard: Annotated[BaseGuard, typer.Option("--vllm-base-guard", help="vLLM: send base traffic as a zero "
                                                   "adapter (auto: where the vLLM CPU bug applies)")] = "auto",
     log_file: Annotated[Path | None, typer.Option("--log-file", help="vLLM's log (default in the cache)")] = None,
+    restart_engine: Annotated[bool, typer.Option("--restart-engine", help="vLLM: start it again when it dies "
+                                                 "(else serve exits 1 with vLLM's error)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the engine, memory plan and command")] = False,
     replicas: Annotated[int, typer.Option("--replicas", help="--dry-run: commands for N replicas")] = 1,
     gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica", help="--dry-run: GPUs each")] = 1,
@@ -219,7 +221,7 @@ def serve(
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,
         engine_port=engine_port, vllm_base_guard=BaseGuard(base_guard).value, log_file=log_file,
-        vllm_args=list(ctx.args), replicas=replicas, gpus_per_replica=gpus_per_replica)
+        restart_engine=restart_engine, vllm_args=list(ctx.args), replicas=replicas, gpus_per_replica=gpus_per_replica)
     if dry_run:
         from tuneport.serve.policy import format_dry_run
 
