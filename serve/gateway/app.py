@@ -19,6 +19,7 @@ from .openai_routes import openai_router
 from .ops_routes import ops_router
 
 MAX_BODY_BYTES = 1 << 20
+PARSE_ERROR = "the request body is not valid JSON (not UTF-8, or nested too deeply)"
 
 
 def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, *,
@@ -52,7 +53,8 @@ def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX
 
     @app.exception_handler(HTTPException)  # unknown routes, wrong methods, unparsable bodies: OpenAI-style too
     async def http_error(_: Request, e: HTTPException):
-        response = error_response(e.status_code, str(e.detail),
+        detail = PARSE_ERROR if e.detail == "There was an error parsing the body" else str(e.detail)  # FastAPI's
+        response = error_response(e.status_code, detail,
                                   "invalid_request_error" if e.status_code < 500 else "upstream_error")
         response.headers.update(e.headers or {})
         return response
