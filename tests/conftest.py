@@ -65,6 +65,20 @@ def cli():
     return run_cli
 
 
+SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def summary(request) -> list[str]:
+    """Lines a test module wants at the end of the test output (the corpus count, the fuzzing budget)."""
+    return request.config.stash.setdefault(SUMMARY, [])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for line in dict.fromkeys(config.stash.get(SUMMARY, [])):
+        terminalreporter.write_line(line)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "mlx: runs mlx-lm in this process (mlx[cpu] on Linux)")
 
