@@ -100,7 +100,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         tok_dir.mkdir(parents=True)
         copy_side_files(plan, tok_dir)
         n_vocab = plan.specs[[s.name for s in plan.specs].index(f"{arch.embed}.weight")].shape[0]
-        vocab = read_vocab(tok_dir, n_vocab, opts.bpe_pre)
+        vocab = read_vocab(tok_dir, n_vocab, opts.bpe_pre, shown=ckpt.path)
         imatrix, calibration = build_imatrix(opts, plan, arch, tok_dir) if with_imatrix else (None, None)
         shapes = [(s.name, s.shape) for s in plan.specs]
         files: dict[str, Path] = {}

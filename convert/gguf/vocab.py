@@ -72,7 +72,12 @@ class GGUFVocab:
             writer.add_chat_template(self.chat_template)
 
 
-def _hf_tokenizer(model_dir: Path):
+def _unreadable(shown: Path, e: Exception) -> UserError:
+    return UserError(f"cannot load the tokenizer in {shown} ({type(e).__name__}: {str(e)[:120]})",
+                     "the model directory needs its tokenizer files")
+
+
+def _hf_tokenizer(model_dir: Path, shown: Path):
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
@@ -80,8 +85,7 @@ def _hf_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
-        raise UserError(f"cannot load the tokenizer in {model_dir} ({type(e).__name__}: {str(e)[:120]})",
-                        "the model directory needs its tokenizer files") from e
+        raise _unreadable(shown, e) from e
 
 
 def _common(tok, vocab: GGUFVocab, n_vocab: int) -> None:
@@ -176,14 +180,22 @@ def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None) -> G
     return vocab
 
 
-def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None) -> GGUFVocab:
-    """The GGUF vocabulary of the tokenizer in ``model_dir``, padded to ``n_vocab`` (embedding rows)."""
-    tok = _hf_tokenizer(model_dir)
+def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None, shown: Path | None = None) -> GGUFVocab:
+    """The GGUF vocabulary of the tokenizer in ``model_dir``, padded to ``n_vocab`` (embedding rows);
+    refusals name ``shown`` (the user's model directory when ``model_dir`` is a working copy)."""
+    shown = shown or model_dir
+    if not any((model_dir / n).exists() for n in ("tokenizer.model", "tokenizer.json")):
+        raise UserError(f"{shown} has neither tokenizer.model nor tokenizer.json", "add the tokenizer files")
+    tok = _hf_tokenizer(model_dir, shown)
     if len(tok) > n_vocab:
         raise UserError(f"the tokenizer has {len(tok)} tokens but the model only {n_vocab} embedding rows",
                         "pass the tokenizer that belongs to this model (after adding tokens, resize embeddings)")
     if (model_dir / "tokenizer.model").exists() and not bpe_pre:
-        return _sentencepiece(model_dir, tok, n_vocab)
+        try:
+            return _sentencepiece(model_dir, tok, n_vocab)
+        except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: a corrupt or empty model file
+            raise _unreadable(shown, e) from e
     if (model_dir / "tokenizer.json").exists():
         return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre)
-    raise UserError(f"{model_dir} has neither tokenizer.model nor tokenizer.json", "add the tokenizer files")
+    raise UserError(f"--bpe-pre applies to a byte-level BPE tokenizer, and {shown} has no tokenizer.json",
+                    "drop --bpe-pre (its tokenizer.model is SentencePiece)")
