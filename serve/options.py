@@ -133,7 +133,7 @@ def read_key_file(flag: str, path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        key = path.read_text().strip()
+        key = path.read_text(encoding="utf-8-sig").strip()  # a byte-order mark is not part of the key
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
         raise UserError(f"cannot read {flag} {path} ({why})", "pass a readable file") from e

@@ -221,6 +221,12 @@ class AdapterPool:
             del self._entries[name]
             self._unload(name)
 
+    def forget(self, name: str) -> None:
+        """Drop ``name`` without unloading it: the engine no longer holds it (it restarted without it)."""
+        with self._lock:
+            self._entries.pop(name, None)
+            self._lock.notify_all()
+
     def try_hold(self, name: str) -> PoolEntry | None:
         """Take a reference on ``name`` if it is loaded (no waiting, no loading); release it with
         :meth:`release`."""

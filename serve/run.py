@@ -140,8 +140,8 @@ class Server:
                     self.backend.restart()
                     log.warning("the %s engine was started again", self.backend.engine)
                     continue
-                except UserError as e:
-                    why = f"{why}; restarting it failed: {e.line()}"
+                except Exception as e:  # noqa: BLE001 - whatever stopped the restart is the reason serve exits
+                    why = f"{why}; restarting it failed: {e.line() if isinstance(e, UserError) else e!r}"
             failure = why
             self.stop()
         if failure is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,13 +32,16 @@ from .contract import Backend, Kind, Usage
 from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
 from .errors import ApiError
 from .http import error_message
-from .pool import PoolError, check_name
+from .pool import PoolError, check_name, resolve_inside
 from .tool_calls import syntax_in, template_of
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
 from .vllm_preflight import check_vllm_cpu
 
+log = logging.getLogger(__name__)
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
-ENGINE_DEAD_AFTER_S = 2.0  # vLLM's /health failing this long (or its process gone): its engine is dead
+ENGINE_DEAD_AFTER_S = 2.0  # vLLM's /health refusing (503, connection refused) this long: its engine is dead
+ENGINE_STALLED_AFTER_S = 60.0  # vLLM's /health not answering at all this long (a busy API server is not dead)
+HEALTH_PROBE_S = 5.0
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -76,7 +80,7 @@ class VllmPlan:
         if write:
             check_4bit_runs_here(self.ckpt, opts.dtype)
             if vllm_platform() == "cpu":
-                check_vllm_cpu(self.ckpt, opts.max_model_len, VLLM_DTYPES.get(opts.dtype))
+                check_vllm_cpu(self.ckpt, opts)
         self.awq_scales = read_scales(self.ckpt.path)  # adapters over an AWQ base are rewritten with these
         self.awq_digest = scales_digest(self.ckpt.path) if self.awq_scales else None
         self.bugs = bugs_that_apply()
@@ -180,7 +184,7 @@ class VllmBackend(Backend):
         self.url = self.process.url
         self.admin = VllmAdapters(self.url)
         self._start_timeout_s, self._env = start_timeout_s, env
-        self._unhealthy_since: float | None = None  # when vLLM's /health first failed in a row
+        self._unhealthy_since: tuple[str, float] | None = None  # how and when vLLM's /health began failing
         self._failure: str | None = None
         for name, path in plan.startup.items():  # the user's path (allowed for reloads), vLLM's copy's size
             self.pool.register(name, plan.sources[name], pinned=opts.pin, nbytes=_size(path))
@@ -192,7 +196,12 @@ class VllmBackend(Backend):
         return cls(VllmPlan(opts), log_path=opts.log_file)
 
     # -- adapters ------------------------------------------------------------------------------------
+    def _check_up(self) -> None:
+        if self._failure is not None:
+            raise ApiError("vLLM stopped and is not serving; see the server log", status=503)
+
     def attach_adapter(self, name: str, path: Path) -> int:
+        self._check_up()
         ready = self.plan.prepare(name, path)
         try:
             self.admin.load(name, ready)
@@ -226,6 +235,7 @@ class VllmBackend(Backend):
 
     def _route(self, body: dict) -> tuple[str, list[str], dict]:
         """The model name the client asked for, the adapters to hold, and the body vLLM gets."""
+        self._check_up()
         adapters = self.adapters_for(body)  # refuses weighted mixes
         model = body.get("model") or self.name
         return model, list(adapters), {**body, "model": self.upstream_model(model)}
@@ -283,41 +293,53 @@ class VllmBackend(Backend):
         return self.process.alive() and self._failure is None
 
     def failure(self) -> str | None:
-        """vLLM's exit, or its engine dead behind a live API server (its /health failing for
-        ``ENGINE_DEAD_AFTER_S``: the first request on a model it cannot run kills its engine core), with
-        the last error line of its log."""
+        """vLLM's exit, or its engine dead behind a live API server (its /health refusing for
+        ``ENGINE_DEAD_AFTER_S``: the first request on a model it cannot run kills its engine core; or not
+        answering at all for ``ENGINE_STALLED_AFTER_S``), with the last error line of its log."""
         if self._failure is None:
-            if not self.process.alive():
+            now = time.monotonic()
+            state = self._vllm_health() if self.process.alive() else "exited"
+            if state == "exited":
                 self._failure = (f"vLLM exited with code {self.process.proc.returncode}: "
                                  f"{self.process.failure_line()}")
-            elif self._vllm_health_ok():
+            elif state == "ok":
                 self._unhealthy_since = None
             else:
-                now = time.monotonic()
-                self._unhealthy_since = self._unhealthy_since or now
-                if now - self._unhealthy_since >= ENGINE_DEAD_AFTER_S:
+                self._unhealthy_since = self._unhealthy_since or (state, now)
+                kind, since = self._unhealthy_since
+                if now - since >= (ENGINE_DEAD_AFTER_S if kind == "down" else ENGINE_STALLED_AFTER_S):
                     self._failure = f"vLLM's engine stopped answering: {self.process.failure_line()}"
         return self._failure
 
-    def _vllm_health_ok(self) -> bool:
+    def _vllm_health(self) -> str:
+        """``ok``, ``down`` (vLLM answers that it is not healthy, or refuses the connection) or ``slow``."""
         try:
-            return httpx.get(f"{self.url}/health", timeout=ENGINE_DEAD_AFTER_S).status_code == 200
+            return "ok" if httpx.get(f"{self.url}/health", timeout=HEALTH_PROBE_S).status_code == 200 else "down"
+        except httpx.ConnectError:
+            return "down"
         except httpx.HTTPError:
-            return False
+            return "slow"
 
     def restart(self) -> None:
         """A new vLLM child with the same launch (start-up adapters included), then the adapters loaded at
-        runtime loaded again; requests meanwhile get 502."""
-        self.admin.close()
+        runtime loaded again (each through the pool's path checks; one that no longer loads is dropped from the
+        pool with a log line); requests meanwhile get 503."""
         self.process.stop()
         self.process = VllmProcess(self.plan.launch, self.process.log_path, self._env)
         self.process.wait_healthy(self._start_timeout_s)
+        old, self.admin = self.admin, VllmAdapters(self.process.url)
+        old.close()
         self.url = self.process.url
-        self.admin = VllmAdapters(self.url)
-        for state in self.pool.states():
-            if state["name"] not in self.plan.startup:
-                self.attach_adapter(state["name"], Path(state["path"]))
         self._unhealthy_since = self._failure = None
+        for state in self.pool.states():
+            name = state["name"]
+            if name in self.plan.startup:
+                continue
+            try:
+                self.attach_adapter(name, resolve_inside(state["path"], self.pool.allowed_roots))
+            except Exception as e:  # noqa: BLE001 - that adapter is gone from the pool; the rest keeps serving
+                log.warning("adapter %s was not loaded again after vLLM restarted: %s", name, e)
+                self.pool.forget(name)
 
     def describe(self) -> dict:
         return {**super().describe(), "vllm_url": self.url, "base_guard": self.guard,

@@ -13,6 +13,10 @@ from tuneport.convert.errors import UserError
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB for the KV cache; unset or 0: vLLM sizes it from free memory
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tuneport's --dtype -> vLLM's
+# vLLM's _get_and_verify_max_len: the smallest of these the config has
+LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+               "max_seq_length", "seq_len", "model_max_length")
 
 
 def _text_config(cfg: dict) -> dict:
@@ -33,30 +37,47 @@ def check_cpu_attention(ckpt: Checkpoint) -> None:
                         "serve it with --engine llamacpp (vLLM would start, then die at the first request)")
 
 
-def check_cpu_kv_space(ckpt: Checkpoint, max_model_len: int | None, dtype: str | None) -> None:
-    """One sequence of ``max_model_len`` tokens must fit the KV space vLLM is given (it refuses to start
-    otherwise, after loading the model). Skipped for sliding-window models (their KV is smaller) and when
-    vLLM sizes the space itself."""
+def model_len(cfg: dict) -> int:
+    """The context vLLM derives from the config without --max-model-len: the smallest of the length keys."""
+    found = [int(cfg[k]) for k in LENGTH_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0]
+    return min(found, default=0)
+
+
+def kv_bytes_per_elem(ckpt: Checkpoint, dtype: str | None) -> int:
+    """vLLM's dtype rule: as asked, else the checkpoint's, an fp32 checkpoint run in bf16."""
+    if dtype:
+        return DTYPE_BYTES.get(dtype, 2)
+    return 2 if ckpt.dtype.itemsize == 4 else ckpt.dtype.itemsize
+
+
+def check_cpu_kv_space(ckpt: Checkpoint, opts) -> None:
+    """One sequence of the model length must fit the KV space vLLM is given (it refuses to start otherwise,
+    after loading the model). Skipped where the estimate could refuse what vLLM accepts: sliding-window or
+    MLA models, vLLM sizing the space itself, or the length, dtype or KV dtype passed to vLLM directly."""
     try:
         space_gib = float(os.environ.get(KV_SPACE_ENV) or 0)
     except ValueError:
         return
     cfg = _text_config(ckpt.config)
-    if space_gib <= 0 or cfg.get("sliding_window") or cfg.get("layer_types"):
+    passed = {a.split("=", 1)[0] for a in opts.vllm_args if a.startswith("--")}
+    if (space_gib <= 0 or cfg.get("sliding_window") or cfg.get("layer_types") or cfg.get("kv_lora_rank")
+            or passed & {"--max-model-len", "--dtype", "--kv-cache-dtype"}):
         return
-    length = max_model_len or int(cfg.get("max_position_embeddings") or 0)
+    length = opts.max_model_len or model_len(cfg)
     heads = int(cfg.get("num_attention_heads") or 0)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    nbytes = DTYPE_BYTES.get(dtype or "", ckpt.dtype.itemsize)
-    need = 2 * int(cfg.get("num_hidden_layers") or 0) * kv_heads * head_size(cfg) * nbytes * length
-    if need > space_gib * 2**30:
-        raise UserError(f"one sequence of {length} tokens needs {need / 2**30:.2f} GiB of KV cache, more than "
-                        f"{KV_SPACE_ENV}={os.environ[KV_SPACE_ENV]} GiB gives vLLM",
-                        f"lower --max-model-len (at most {int(space_gib * 2**30 // (need // length))} fits) or "
-                        f"raise {KV_SPACE_ENV}")
+    per_token = (2 * int(cfg.get("num_hidden_layers") or 0) * kv_heads * head_size(cfg)
+                 * kv_bytes_per_elem(ckpt, DTYPE_NAMES.get(opts.dtype))
+                 // max(1, opts.tensor_parallel_size * opts.pipeline_parallel_size))
+    if not per_token or not length or per_token * length <= space_gib * 2**30:
+        return
+    raise UserError(f"one sequence of {length} tokens needs {per_token * length / 2**30:.2f} GiB of KV cache, more "
+                    f"than {KV_SPACE_ENV}={os.environ[KV_SPACE_ENV]} GiB gives vLLM",
+                    f"lower --max-model-len (at most {int(space_gib * 2**30 // per_token)} fits) or raise "
+                    f"{KV_SPACE_ENV}")
 
 
-def check_vllm_cpu(ckpt: Checkpoint, max_model_len: int | None, dtype: str | None) -> None:
+def check_vllm_cpu(ckpt: Checkpoint, opts) -> None:
     """Everything vLLM's CPU build would fail on later, checked now."""
     check_cpu_attention(ckpt)
-    check_cpu_kv_space(ckpt, max_model_len, dtype)
+    check_cpu_kv_space(ckpt, opts)

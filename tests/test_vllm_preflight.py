@@ -1,0 +1,27 @@
+"""vLLM's CPU preflight as data: head sizes its attention has kernels for, one sequence's KV cache against
+VLLM_CPU_KVCACHE_SPACE (vLLM's own dtype rule, parallelism, flags passed through)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuneport.convert.checkpoint import Checkpoint
+from tuneport.convert.errors import UserError
+from tuneport.serve.options import ServeOptions
+from tuneport.serve.vllm_preflight import check_cpu_kv_space, check_vllm_cpu
+
+
+def test_kv_space_is_checked_as_vllm_counts_it(zoo, monkeypatch):
+    ckpt = Checkpoint(zoo.base("llama"))  # fp32; 2 layers × 2 KV heads × head size 32
+    per_token_bf16 = 2 * 2 * 2 * 32 * 2  # vLLM runs an fp32 checkpoint in bf16 unless told otherwise
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(per_token_bf16 * 1000 / 2**30))  # 1,000 tokens fit
+    opts = dict(base=str(zoo.base("llama")), engine="vllm")
+    check_cpu_kv_space(ckpt, ServeOptions(**opts, max_model_len=1000))
+    with pytest.raises(UserError, match=r"one sequence of 1001 tokens needs .* \(at most 1000 fits\)"):
+        check_cpu_kv_space(ckpt, ServeOptions(**opts, max_model_len=1001))
+    with pytest.raises(UserError, match="at most 500 fits"):  # fp32 KV: twice the bytes
+        check_cpu_kv_space(ckpt, ServeOptions(**opts, max_model_len=1001, dtype="fp32"))
+    check_cpu_kv_space(ckpt, ServeOptions(**opts, max_model_len=2000, tensor_parallel_size=2))  # half each
+    check_cpu_kv_space(ckpt, ServeOptions(**opts, vllm_args=["--max-model-len", "99999"]))  # vLLM's to judge
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM sizes it from free memory: nothing to check
+    check_vllm_cpu(ckpt, ServeOptions(**opts, max_model_len=10**6))
