@@ -279,6 +279,7 @@ def test_llamacpp_log_is_routed_to_logging_and_restored(tmp_path, caplog):
     with caplog.at_level(logging.DEBUG, logger="tuneport.llamacpp"), pytest.raises(UserError) as e:
         LlamaCppEngine(bad, n_ctx=32, n_contexts=1)
     assert "could not load" in e.value.message and "--log-level debug" in e.value.hint
+    assert e.value.message.endswith("truncated.gguf: unknown model architecture: ''")  # llama.cpp's own reason
     assert any(r.name == "tuneport.llamacpp" and "truncated.gguf" in r.getMessage() for r in caplog.records)
     assert current_log_callback() == before
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, tensor_shapes
-from tuneport.convert.gguf.runtime import llamacpp_logging
+from tuneport.convert.gguf.runtime import llamacpp_errors, llamacpp_logging, llamacpp_reason
 
 from .base import Done, Event, EventStream, GenerationRequest, PromptScores, Sequence, sample, token_logprobs, tokens_of
 from .prompt_cache import PromptCache
@@ -136,11 +136,12 @@ class LlamaCppEngine:
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
-        self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
+        with llamacpp_errors() as errors:
+            self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
         if not self.model:
             self._logging.close()
-            raise UserError(f"llama.cpp could not load {self.model_path}",
-                            "check the file with tuneport inspect; --log-level debug shows llama.cpp's reason")
+            raise UserError(f"llama.cpp could not load {self.model_path}: {llamacpp_reason(errors)}",
+                            "check the file with tuneport inspect; --log-level debug shows llama.cpp's whole log")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_swa = llama_cpp.llama_model_n_swa(self.model)  # a sliding window: its cache forgets old cells
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
