@@ -6,6 +6,7 @@ Used by ``inspect``, the serving policy and the llama.cpp backend, so all three 
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from pathlib import Path
@@ -46,15 +47,41 @@ def _problem(path: str | Path, e: Exception) -> str:
     return f"truncated or corrupt: its metadata or tensors run past its {size} bytes"
 
 
+@functools.cache
+def _strict_reader():
+    """``gguf.GGUFReader`` stopping at the end of the file. gguf reads past the end as empty arrays, so an array
+    that claims more items than the file holds loops (and grows) for as long as it claims: a hang."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    class StrictGGUFReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            arr = super()._get(offset, dtype, count, override_order)
+            if arr.size != int(count):
+                raise ValueError("read past the end of the file")
+            return arr
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == GGUFValueType.ARRAY:  # the smallest its items can be, times their count, must fit
+                itype, count = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+                scalar = self.gguf_scalar_to_np.get(itype) if itype in GGUFValueType._value2member_map_ else None
+                smallest = np.dtype(scalar).itemsize if scalar else 8 if itype == GGUFValueType.STRING else 12
+                if count * smallest > len(self.data) - orig_offs - 12:
+                    raise ValueError("read past the end of the file")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return StrictGGUFReader
+
+
 def open_gguf(path: str | Path):
     """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, nothing loaded); UserError if it is not GGUF, or
     not a file llama.cpp would load (a tensor of more than 4 dimensions, or data off the alignment)."""
     try:
-        from gguf import GGUFReader
+        reader_class = _strict_reader()
     except ImportError as e:
         raise UserError("reading GGUF needs the gguf package", "pip install 'tuneport[gguf]'") from e
     try:
-        reader = GGUFReader(str(path))
+        reader = reader_class(str(path))
     except Exception as e:
         raise _bad(path, _problem(path, e)) from e
     align = int(reader.alignment)
