@@ -243,7 +243,7 @@ def config_refusals(cfg: dict) -> list[str]:
             if reason := rule(value):
                 problems.append(reason)
     for key in ("r", "lora_alpha"):
-        if key not in cfg:
+        if cfg.get(key) is None:
             problems.append(f"adapter_config.json lacks '{key}'")
     return problems
 

@@ -7,6 +7,7 @@ the header up front turns truncated or corrupt files into a clear :class:`UserEr
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -73,6 +74,8 @@ class SafetensorsFile:
             try:
                 dtype = ST_DTYPES[entry["dtype"]]
                 shape = tuple(_count(d) for d in entry["shape"])
+                if math.prod(d for d in shape if d) * dtype.itemsize >= 2**63:  # torch cannot size it, even empty
+                    raise ValueError(f"shape {list(shape)} is too large")
                 lo, hi = (int(x) for x in entry["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise _bad(self.path, f"bad entry for tensor {name!r}") from e
