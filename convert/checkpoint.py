@@ -39,10 +39,23 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def user_path(spec: str | Path) -> Path:
+    """``spec`` as a local path (``~`` expanded); UserError when no file system could hold it."""
+    try:
+        path = Path(spec).expanduser()
+        path.exists()  # a name too long for the file system raises here, not False
+    except RuntimeError:  # ~name of no such user
+        raise UserError(f"{spec}: there is no such user's home directory", "check the path") from None
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, an embedded NUL byte
+        raise UserError(f"{str(spec)[:200]} is not a usable path ({getattr(e, 'strerror', None) or e})",
+                        "check the path") from None
+    return path
+
+
 def resolve_hub_path(spec: str | Path, patterns: list[str], what: str, revision: str | None = None) -> Path:
     """A local path as is; otherwise a hub id (at ``revision``: a branch, tag or commit) through
     ``huggingface_hub`` (honours HF_HUB_OFFLINE)."""
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     if path.exists():
         return path
     if not _HUB_ID.match(str(spec)):

@@ -25,6 +25,7 @@ from .errors import UserError
 from .tensors import TORCH_TO_ST, TensorMeta
 
 TMP_PREFIX = ".tuneport-tmp-"
+NAME_MAX = 255  # bytes in a file name on Linux and macOS file systems
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -145,9 +146,18 @@ def fsync_dir(path: Path) -> None:
 
 
 def check_output_path(out: Path, force: bool) -> None:
-    """Refuse to overwrite an existing output unless ``force``."""
-    if out.exists() and not force:
+    """Refuse to overwrite an existing output unless ``force``, and a name no file system holds."""
+    try:
+        exists = out.exists()
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, an embedded NUL byte
+        raise UserError(f"output path {str(out)[:200]} is not usable ({getattr(e, 'strerror', None) or e})",
+                        "choose another --out") from None
+    if exists and not force:
         raise UserError(f"output path {out} already exists", "choose another --out or pass --force")
+    room = NAME_MAX - len(f"{TMP_PREFIX}{'9' * 7}--{'0' * 8}")  # the temporary beside it adds these (pid <= 7 digits)
+    if len(out.name.encode()) > room:
+        raise UserError(f"output name {out.name[:40]}... is {len(out.name.encode())} bytes, over the {room} that "
+                        "leave room for the temporary written beside it", "choose a shorter --out")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, read_adapter_config
 from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
-from tuneport.convert.checkpoint import Checkpoint
+from tuneport.convert.checkpoint import Checkpoint, user_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import TARGETS, base_refusal
 from tuneport.convert.gguf.lora import lora_refusals
@@ -37,8 +37,15 @@ def _engine(ok: bool, why: str = "") -> dict:
     return {"loads": ok, "reason": why}
 
 
+def _base_class(cfg: dict) -> str | None:
+    """The base model class PEFT recorded (``auto_mapping.base_model_class``), when it is there as a string."""
+    mapping = cfg.get("auto_mapping")
+    cls = mapping.get("base_model_class") if isinstance(mapping, dict) else None
+    return cls if isinstance(cls, str) else None
+
+
 def _arch_from_adapter(cfg: dict):
-    cls = (cfg.get("auto_mapping") or {}).get("base_model_class", "")
+    cls = _base_class(cfg) or ""
     for spec in ARCHS.values():
         if cls in spec.hf_classes:
             return spec
@@ -72,8 +79,13 @@ def mlx_lora_verdict(adapter: Adapter, cfg: dict) -> str:
     from tuneport.convert.mlx.adapters import refusals
 
     how = "tuneport export --target mlx --adapters separate"
-    base = Path(str(cfg.get("base_model_name_or_path") or "")).expanduser()
-    if not cfg.get("base_model_name_or_path") or not (base / "config.json").is_file():
+    name = cfg.get("base_model_name_or_path")
+    try:
+        base = user_path(name) if isinstance(name, str) and name else None
+        local = base is not None and (base / "config.json").is_file()
+    except UserError:  # a name no file system takes
+        local = False
+    if not local:
         return f"mlx-lm loads mlx-lm adapters only: {how} (it checks the adapter against the base)"
     try:
         ck = Checkpoint(base)
@@ -111,7 +123,7 @@ def inspect_adapter(path: Path) -> dict:
     return {
         "kind": "peft-adapter",
         "path": str(path),
-        "architecture": arch.model_type if arch else (cfg.get("auto_mapping") or {}).get("base_model_class"),
+        "architecture": arch.model_type if arch else _base_class(cfg),
         "base_model": cfg.get("base_model_name_or_path"),
         "r": cfg.get("r"),
         "lora_alpha": cfg.get("lora_alpha"),
@@ -288,7 +300,7 @@ def inspect_gguf(path: Path) -> dict:
 
 
 def inspect_path(spec: str) -> dict:
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     if path.is_file() and path.suffix == ".gguf":
         return inspect_gguf(path)
     if is_mlx_adapter(path):
