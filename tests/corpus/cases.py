@@ -504,14 +504,12 @@ def _(w):
 
 
 # tokenizers (read by the GGUF export) ---------------------------------------------------------------------------
-SCRATCH = ("convert/gguf/export.py reads the tokenizer from its copy under the output's temporary directory, so "
-           "the refusal names that directory (gone once the command ends) instead of the model's")
 TOKENIZER_HINT = "the model directory needs its tokenizer files"
 
 
 @case("tokenizer", "tokenizer-json-corrupt",
       "error: cannot load the tokenizer in {base} (JSONDecodeError: Expecting property name enclosed in double "
-      "quotes: line 1 column 31 (char 30)): " + TOKENIZER_HINT, known_bug=SCRATCH)
+      "quotes: line 1 column 31 (char 30)): " + TOKENIZER_HINT)
 def _(w):
     (w.base / "tokenizer.json").write_text('{"model": {"type": "Unigram", ')
     (w.base / "tokenizer.model").unlink()
@@ -519,9 +517,7 @@ def _(w):
 
 
 @case("tokenizer", "tokenizer-model-empty",
-      "error: cannot load the tokenizer in {base} (RuntimeError: INTERNAL: unk is not defined.): " + TOKENIZER_HINT,
-      known_bug="convert/gguf/vocab.py loads tokenizer.model with sentencepiece outside its try: the error escapes "
-      "as an internal error (exit 1)")
+      "error: cannot load the tokenizer in {base} (RuntimeError: INTERNAL: unk is not defined.): " + TOKENIZER_HINT)
 def _(w):
     (w.base / "tokenizer.model").write_bytes(b"")
     (w.base / "tokenizer.json").unlink()
@@ -529,7 +525,7 @@ def _(w):
 
 
 @case("tokenizer", "both-missing", "error: {base} has neither tokenizer.model nor tokenizer.json: add the "
-      "tokenizer files", known_bug=SCRATCH)
+      "tokenizer files")
 def _(w):
     (w.base / "tokenizer.model").unlink()
     (w.base / "tokenizer.json").unlink()
@@ -538,7 +534,7 @@ def _(w):
 
 @case("tokenizer", "tokenizer-config-corrupt",
       "error: cannot load the tokenizer in {base} (JSONDecodeError: Expecting property name enclosed in double "
-      "quotes: line 1 column 2 (char 1)): " + TOKENIZER_HINT, known_bug=SCRATCH)
+      "quotes: line 1 column 2 (char 1)): " + TOKENIZER_HINT)
 def _(w):
     (w.base / "tokenizer_config.json").write_text("{,}")
     return w.export_gguf()
@@ -546,7 +542,7 @@ def _(w):
 
 @case("tokenizer", "unknown-model-type",
       "error: cannot load the tokenizer in {base} (Exception: invalid type: null, expected a string at line 1 "
-      "column 3018): " + TOKENIZER_HINT, known_bug=SCRATCH)
+      "column 3018): " + TOKENIZER_HINT)
 def _(w):
     w.json_edit(w.base / "tokenizer.json", lambda t: t["model"].update(type="WordLevel"))
     (w.base / "tokenizer.model").unlink()
@@ -876,6 +872,12 @@ gguf_case("string-length-huge",
           "error: {gguf} is not a valid GGUF file (truncated or corrupt: its metadata or tensors run past "
           "its 352 bytes): re-export or re-download it",
           kv=[("general.architecture", GGUF_STRING, struct.pack("<Q", 1 << 60) + b"llama")])
+# gguf read items past the end as empty arrays: this one hung until its count ran out
+gguf_case("array-count-huge",
+          "error: {gguf} is not a valid GGUF file (truncated or corrupt: its metadata or tensors run past "
+          "its 384 bytes): re-export or re-download it",
+          kv=[("general.architecture", GGUF_STRING, gguf_str("llama")), ("tokenizer.ggml.scores", 9,
+                                                                        struct.pack("<IQ", 6, 1 << 60))])
 gguf_case("unknown-value-type",
           "error: {gguf} is not a valid GGUF file (unknown metadata value type 99): re-export or "
           "re-download it", kv=[("general.architecture", 99, b"llama")])
@@ -894,6 +896,41 @@ gguf_case("alignment-zero",
           "error: {gguf} is not a valid GGUF file (general.alignment is not a power of two): re-export or "
           "re-download it", kv=[("general.architecture", GGUF_STRING, gguf_str("llama")),
                                      ("general.alignment", GGUF_UINT32, struct.pack("<I", 0))])
+
+
+# paths given on the command line ----------------------------------------------------------------------------------
+LONG = "x" * 300  # longer than any file name
+
+
+@case("paths", "no-such-user-home",
+      "error: ~no-such-user/model: there is no such user's home directory: check the path")
+def _(w):
+    return w.inspect("~no-such-user/model")
+
+
+@case("paths", "base-name-too-long", f"error: {LONG[:200]} is not a usable path (File name too long): check the path")
+def _(w):
+    return ("merge", "--base", LONG, "--adapter", w.zoo.adapter("llama", "plain"), "--out", w.out)
+
+
+@case("paths", "adapter-name-too-long",
+      f"error: {LONG[:200]} is not a usable path (File name too long): check the path")
+def _(w):
+    return ("merge", "--base", w.zoo.base("llama"), "--adapter", LONG, "--out", w.out)
+
+
+@case("paths", "output-name-leaves-no-room-for-the-temporary",
+      f"error: output name {'o' * 40}... is 240 bytes, over the 224 that leave room for the temporary written beside "
+      "it: choose a shorter --out")
+def _(w):
+    w.out = w.tmp / ("o" * 240)
+    return w.merge()
+
+
+@case("paths", "recipe-missing", "error: cannot read the recipe {tmp}/nope.yaml (FileNotFoundError): pass a recipe "
+      "YAML file")
+def _(w):
+    return ("release", w.tmp / "nope.yaml", "--out", w.out)
 
 
 # recipes (tuneport release; literal files under tests/corpus/recipes/, the expected line first) ---------------------
