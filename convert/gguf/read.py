@@ -7,6 +7,7 @@ Used by ``inspect``, the serving policy and the llama.cpp backend, so all three 
 from __future__ import annotations
 
 import functools
+import math
 import re
 import struct
 from pathlib import Path
@@ -80,16 +81,24 @@ def open_gguf(path: str | Path):
         reader_class = _strict_reader()
     except ImportError as e:
         raise UserError("reading GGUF needs the gguf package", "pip install 'tuneport[gguf]'") from e
+    import numpy as np
+
     try:
-        reader = reader_class(str(path))
+        with np.errstate(all="ignore"):  # gguf adds offsets in uint64 (wrapping; checked below), a warning each
+            reader = reader_class(str(path))
     except Exception as e:
         raise _bad(path, _problem(path, e)) from e
-    align = int(reader.alignment)
-    for t in reader.tensors:
+    align, end = int(reader.alignment), len(reader.data) - int(reader.data_offset)
+    for t in reader.tensors:  # what llama.cpp checks and gguf does not (it computes in wrapping uint64)
         if len(t.shape) > GGML_MAX_DIMS:
             raise _bad(path, f"tensor {t.name} has {len(t.shape)} dimensions; llama.cpp allows {GGML_MAX_DIMS}")
-        if (int(t.data_offset) - int(reader.data_offset)) % align:
+        numel, offset = math.prod(int(d) for d in t.shape), int(t.field.parts[-1][0])
+        if numel != int(t.n_elements) or numel >= 2**63:
+            raise _bad(path, f"tensor {t.name}'s shape {[int(d) for d in t.shape]} overflows")
+        if offset % align:
             raise _bad(path, f"tensor {t.name}'s data is not aligned to {align} bytes")
+        if offset + int(t.n_bytes) > end:
+            raise _bad(path, f"tensor {t.name}'s data runs past the end of the file")
     return reader
 
 
