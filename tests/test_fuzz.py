@@ -30,13 +30,15 @@ BUDGET = {"safetensors header": 400, "GGUF reader": 400, "adapter config": 200, 
           "gateway routes": 150}
 
 
-def fuzz(target: str, deadline_s: float):
-    """The settings of one target: its example budget, a deadline per example, no example database."""
+def fuzz(target: str, deadline_s: float, warnings: str = "error"):
+    """The settings of one target: its example budget, a deadline per example, no example database; a warning
+    fails a reader (the CLI's refusal is one line on stderr, a warning another)."""
     n = BUDGET[target]
-    return lambda f: pytest.mark.timeout(300)(pytest.mark.parametrize("budget", [n], ids=[f"{n}-examples"])(
+    return lambda f: pytest.mark.filterwarnings(warnings)(pytest.mark.timeout(300)(pytest.mark.parametrize(
+        "budget", [n], ids=[f"{n}-examples"])(
         settings(max_examples=n, deadline=timedelta(seconds=deadline_s), database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                        HealthCheck.data_too_large])(f)))
+                                        HealthCheck.data_too_large])(f))))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -251,7 +253,7 @@ def gateway(zoo):
         assert client.get("/health").status_code == 200  # still serving after every example
 
 
-@fuzz("gateway routes", deadline_s=10)
+@fuzz("gateway routes", deadline_s=10, warnings="default")  # the server's threads share the warning filters
 @given(request=REQUESTS | st.tuples(st.sampled_from(["completions", "chat"]), JSON))
 def test_gateway_routes(budget, gateway, request):
     kind, body = request
