@@ -40,17 +40,18 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def number(body: dict, key: str, default: float, kind: type = float) -> float:
-    """``body[key]`` as a number (``default`` when absent or null); a bad value is the client's error (400)."""
+def number(body: dict, key: str, default: float, kind: type = float, field: str | None = None) -> float:
+    """``body[key]`` as a number (``default`` when absent or null); a bad value is the client's error (400)
+    naming ``field`` (default: ``key``). A string is not a number: float("nan") would pass for one."""
     value = body.get(key)
     if value is None:
         return default
     try:
-        if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
             raise TypeError  # JSON's NaN / Infinity are no one's sampling parameters
         return kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise ApiError(f"'{key}' must be a finite number, not {value!r}") from None
+        raise ApiError(f"'{field or key}' must be a finite number, not {value!r}") from None
 
 
 class Backend(ABC):
@@ -116,7 +117,7 @@ class Backend(ABC):
                                "pick one adapter with model=NAME, or serve with --engine llamacpp")
             if not isinstance(mix, dict):
                 raise ApiError("'adapters' must be an object {name: weight}")
-            return {check_name(k): number(mix, k, 1.0) for k in mix}
+            return {check_name(k): number(mix, k, 1.0, field=f"adapters.{k}") for k in mix}
         model = body.get("model")
         if model in ("", None, self.name):
             return {}
