@@ -1012,7 +1012,9 @@ HTTP_CASES = [
     HttpCase("model-a-path", COMPLETIONS, {"prompt": "hi", "model": "../../etc/passwd"},
              "invalid adapter name '../../etc/passwd': names match [A-Za-z0-9._-]{1,64}"),
     HttpCase("adapters-weight-a-string", COMPLETIONS, {"prompt": "hi", "adapters": {"a": "heavy"}},
-             "'a' must be a finite number, not 'heavy'"),
+             "'adapters.a' must be a finite number, not 'heavy'"),
+    HttpCase("adapters-weight-nan-as-a-string", COMPLETIONS, {"prompt": "hi", "adapters": {"a": "nan"}},
+             "'adapters.a' must be a finite number, not 'nan'"),  # float("nan") took it: a NaN adapter scale
     HttpCase("messages-a-string", CHAT, {"messages": "hi"}, "'messages': Input should be a valid list"),
     HttpCase("messages-empty", CHAT, {"messages": []},
              "'messages': List should have at least 1 item after validation, not 0"),
