@@ -48,8 +48,9 @@ def _meta_model(path: Path):
         return AutoModelForCausalLM.from_config(config)
 
 
-def check_hf_dir(path: Path) -> str:
-    """Check the HF model directory ``path`` (config, tokenizer, tensor names and shapes); what was checked."""
+def check_hf_dir(path: Path, tensors: bool = True) -> str:
+    """Check the HF model directory ``path`` (config, tokenizer, and with ``tensors`` every tensor's name and
+    shape: quantized directories pack theirs); what was checked."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -63,6 +64,8 @@ def check_hf_dir(path: Path) -> str:
         except Exception as e:  # noqa: BLE001
             raise UserError(f"transformers cannot load the exported tokenizer: {str(e).splitlines()[0][:200]}",
                             HINT) from e
+    if not tensors:
+        return "loaded by transformers' readers: config, tokenizer (quantized tensors are vLLM's to read)"
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     written = _written_shapes(path)
     missing = sorted(set(expected) - set(written) - _tied_keys(model))

@@ -95,6 +95,7 @@ def test_export_writes_a_complete_4bit_directory(tiny_awq, cli):
         manifest = json.loads((d / "manifest.json").read_text())
         assert manifest["target"] == "awq" and manifest["format"] == fmt and manifest["quantized_modules"] == 14
         assert manifest["calibration"]["samples"] == 8 and manifest["awq"]["groups_scaled"] > 0
+        assert manifest["load_check"]["model"].startswith("loaded by transformers' readers: config, tokenizer")
         t = _tensors(d)
         assert t["model.embed_tokens.weight"].dtype == torch.float16 and t["lm_head.weight"].dtype == torch.float16
         assert "model.layers.0.self_attn.q_proj.weight" not in t

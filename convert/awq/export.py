@@ -17,6 +17,7 @@ from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
 from ..export_vllm import LAUNCH_SH, check_for_vllm, launch_args, write_launch, write_vllm_adapter
 from ..io import ShardedSafetensorsWriter, atomic_dir
+from ..load_check import check_adapter_dirs, check_hf_dir
 from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult, model_name
@@ -214,8 +215,10 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
                    "calib_seqlen": opts.calib_seqlen, "notes": notes}
         if adapters:
             options["max_lora_rank"] = max_rank
+        load_check = {"model": check_hf_dir(tmp, tensors=False),
+                      "adapters": check_adapter_dirs(tmp, [tmp / p for p in adapters.values()])}
         manifest = write_manifest(tmp, "awq", input_entries(ckpt, loaded), options,
                                   known_hashes={tmp / p.name: h for p, h in hashes.items()},
-                                  extra={**details, "layers": groups, "fixes": fixes})
+                                  extra={**details, "layers": groups, "fixes": fixes, "load_check": load_check})
     return ExportResult(opts.out, "awq", manifest, notes=[*notes, f"serve it with: {opts.out / LAUNCH_SH}"],
                         fixes={k: v for k, v in fixes.items() if v}, details=details)
