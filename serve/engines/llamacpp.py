@@ -252,7 +252,8 @@ class LlamaCppEngine:
         return {"prompt_cache_hits_total": sum(cx.cache.stats.hits for cx in cxs),
                 "prompt_cache_hit_tokens_total": sum(cx.cache.stats.hit_tokens for cx in cxs),
                 "prompt_cache_misses_total": sum(cx.cache.stats.misses for cx in cxs),
-                "prompt_cache_entries": sum(len(cx.cache) for cx in cxs)}
+                "prompt_cache_entries": sum(len(cx.cache) for cx in cxs),
+                "llamacpp_contexts": len(cxs)}  # created so far (lazily, up to --contexts)
 
     # -- requests -------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[int]:
