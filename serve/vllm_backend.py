@@ -8,11 +8,9 @@ identical to the base) are rewritten once into the cache and vLLM gets the rewri
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -28,12 +26,10 @@ from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.options import model_name
 from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
 
-from .contract import Backend, Kind, Usage
 from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
-from .errors import ApiError
-from .http import error_message
 from .pool import PoolError, check_name, resolve_inside
 from .tool_calls import syntax_in, template_of
+from .upstream import UpstreamBackend
 from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
 from .vllm_preflight import check_vllm_cpu
 
@@ -42,7 +38,6 @@ DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
 ENGINE_DEAD_AFTER_S = 2.0  # vLLM's /health refusing (503, connection refused) this long: its engine is dead
 ENGINE_STALLED_AFTER_S = 60.0  # vLLM's /health not answering at all this long (a busy API server is not dead)
 HEALTH_PROBE_S = 5.0
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def check_4bit_runs_here(ckpt: Checkpoint, dtype: str) -> None:
@@ -166,8 +161,9 @@ class VllmPlan:
         return self.awq_digest
 
 
-class VllmBackend(Backend):
+class VllmBackend(UpstreamBackend):
     engine = "vllm"
+    label = "vLLM"
 
     def __init__(self, plan: VllmPlan, log_path: Path | None = None, start_timeout_s: float = 900.0,
                  env: dict[str, str] | None = None) -> None:
@@ -176,11 +172,7 @@ class VllmBackend(Backend):
         self.plan, self.guard = plan, plan.guard
         log_path = log_path or cache_dir() / "logs" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{plan.launch.port}.log"
         self.process = VllmProcess(plan.launch, log_path, env)
-        try:
-            self.process.wait_healthy(start_timeout_s)
-        except BaseException:
-            self.process.stop()
-            raise
+        self.process.wait_healthy(start_timeout_s)  # stops it when it does not come up
         self.url = self.process.url
         self.admin = VllmAdapters(self.url)
         self._start_timeout_s, self._env = start_timeout_s, env
@@ -188,18 +180,12 @@ class VllmBackend(Backend):
         self._failure: str | None = None
         for name, path in plan.startup.items():  # the user's path (allowed for reloads), vLLM's copy's size
             self.pool.register(name, plan.sources[name], pinned=opts.pin, nbytes=_size(path))
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_options(cls, opts) -> VllmBackend:
         return cls(VllmPlan(opts), log_path=opts.log_file)
 
     # -- adapters ------------------------------------------------------------------------------------
-    def _check_up(self) -> None:
-        if self._failure is not None:
-            raise ApiError("vLLM stopped and is not serving; see the server log", status=503)
-
     def attach_adapter(self, name: str, path: Path) -> int:
         self._check_up()
         ready = self.plan.prepare(name, path)
@@ -219,74 +205,6 @@ class VllmBackend(Backend):
         if model == self.name:
             return GUARD_ADAPTER if self.guard else self.name
         return model
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        """An async client to vLLM, made in the event loop that uses it (closed by :meth:`aclose` when the
-        gateway stops)."""
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            # below uvicorn's 5 s keep-alive timeout on the vLLM side: never reuse a connection it is closing
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
-            self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10),
-                                             limits=limits)
-            self._client_loop = loop
-        return self._client
-
-    def _route(self, body: dict) -> tuple[str, list[str], dict]:
-        """The model name the client asked for, the adapters to hold, and the body vLLM gets."""
-        self._check_up()
-        adapters = self.adapters_for(body)  # refuses weighted mixes
-        model = body.get("model") or self.name
-        return model, list(adapters), {**body, "model": self.upstream_model(model)}
-
-    async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
-        model, adapters, sent = self._route(body)
-        with await self.hold(adapters):
-            r = await self._post(kind, sent)
-        if r.status_code != 200:
-            raise _upstream_error(r)
-        data = r.json()
-        data["model"] = model  # vLLM names the model it ran (the guard adapter for base traffic)
-        u = data.get("usage") or {}
-        usage.prompt_tokens, usage.completion_tokens = int(u.get("prompt_tokens") or 0), int(
-            u.get("completion_tokens") or 0)
-        return data
-
-    async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
-        model, adapters, sent = self._route(body)
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        target = sent["model"]
-        old, new = f'"model":{json.dumps(target)}', f'"model":{json.dumps(model)}'
-        with await self.hold(adapters):
-            try:
-                r = await self.client.send(self.client.build_request("POST", PATHS[kind], json=sent), stream=True)
-            except httpx.HTTPError as e:
-                raise _unreachable(e) from e
-            try:
-                if r.status_code != 200:
-                    await r.aread()
-                    raise _upstream_error(r)
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {") and '"usage":{' in line:
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage") and not chunk.get("choices"):  # the final usage chunk
-                            usage.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
-                            usage.completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                            if not wants_usage:
-                                continue
-                    if target != model and line.startswith("data: "):
-                        line = line.replace(old, new, 1)
-                    yield (line + "\n").encode()
-            finally:
-                await r.aclose()
-
-    async def _post(self, kind: Kind, body: dict) -> httpx.Response:
-        try:
-            return await self.client.post(PATHS[kind], json=body)
-        except httpx.HTTPError as e:
-            raise _unreachable(e) from e
 
     # -- state ---------------------------------------------------------------------------------------
     def health(self) -> bool:
@@ -345,23 +263,9 @@ class VllmBackend(Backend):
         return {**super().describe(), "vllm_url": self.url, "base_guard": self.guard,
                 "max_lora_rank": self.plan.max_lora_rank, "command": self.plan.launch.command()}
 
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = self._client_loop = None
-
     def close(self) -> None:
         self.admin.close()
         self.process.stop()
-
-
-def _upstream_error(r: httpx.Response) -> ApiError:
-    """vLLM's error with its message; its 5xx become 502 (the gateway itself is fine)."""
-    return ApiError(f"vLLM: {error_message(r)}", status=r.status_code if r.status_code < 500 else 502)
-
-
-def _unreachable(e: Exception) -> ApiError:
-    return ApiError(f"vLLM is not reachable ({type(e).__name__}); see the server log", status=502)
 
 
 def _size(path: Path) -> int:

@@ -8,27 +8,20 @@ latter). Runtime adapter loading uses vLLM's own ``/v1/load_lora_adapter`` and
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import ctypes
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.export_vllm import VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_MODULE, lora_module_args
 
-from ..http import error_message, wait_for_health
+from ..http import error_message
+from .child import ChildServer, free_port
 
 # Flags tuneport derives itself; passing them through as well would contradict what the pool expects.
 DERIVED_FLAGS = ("--model", "--served-model-name", "--enable-lora", "--max-lora-rank", "--max-loras",
                  "--max-cpu-loras", "--lora-modules", "--host", "--port")
-STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -97,84 +90,15 @@ def check_extra_args(extra: list[str]) -> list[str]:
     return extra
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class VllmProcess:
-    """One vLLM server. Its own process group (stopped as a whole); it gets SIGTERM if tuneport dies."""
+class VllmProcess(ChildServer):
+    """One vLLM server (``launch``), a child of tuneport."""
 
     def __init__(self, launch: VllmLaunch, log_path: Path, env: dict[str, str] | None = None) -> None:
         if not launch.port:
             launch.port = free_port(launch.host)
         self.launch = launch
-        self.log_path = Path(log_path)
-        self.url = f"http://{launch.host}:{launch.port}"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        full_env = {**os.environ, **launch.env(), **(env or {})}
-        self.proc = subprocess.Popen(launch.command(), env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        atexit.register(self.stop)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def group_alive(self) -> bool:
-        """Whether any process of vLLM's group (server, engine core, workers) still exists."""
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
-    def log_tail(self, n: int = 40) -> list[str]:
-        try:
-            return self.log_path.read_text(errors="replace").splitlines()[-n:]
-        except OSError:
-            return []
-
-    def failure_line(self) -> str:
-        """The most telling line of the log: the last error, else the last line."""
-        tail = self.log_tail(200)
-        errors = [x for x in tail if "Error" in x or "error" in x]
-        return (errors or tail or ["(empty log)"])[-1].strip()[:300]
-
-    def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        if wait_for_health(self.url, timeout_s, alive=self.alive):
-            return
-        if not self.alive():
-            raise UserError(f"vLLM exited with code {self.proc.returncode} while starting: {self.failure_line()}",
-                            f"see its log {self.log_path}")
-        raise UserError(f"vLLM did not become healthy within {timeout_s:.0f} s", f"see its log {self.log_path}")
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM the whole process group (vLLM's engine core included), SIGKILL what is left."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        deadline = time.monotonic() + 10
-        while self.group_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with contextlib.suppress(Exception):
-            self._log.close()
-        atexit.unregister(self.stop)
+        super().__init__("vLLM", launch.command(), f"http://{launch.host}:{launch.port}", log_path,
+                         {**launch.env(), **(env or {})})
 
 
 class VllmAdapters:
