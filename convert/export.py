@@ -36,6 +36,11 @@ TARGET_OPTIONS: dict[str, tuple[str, object]] = {
     "calib": ("--calib", None),
     "calib_samples": ("--calib-samples", None),
     "calib_seqlen": ("--calib-seqlen", None),
+    "bits": ("--bits", None),
+    "head_bits": ("--head-bits", None),
+    "codebook": ("--codebook", None),
+    "work_dir": ("--work-dir", None),
+    "dry_run": ("--dry-run", False),
 }
 
 
@@ -116,6 +121,10 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("mlx", "MLX LM (Apple Silicon; mlx[cpu] on Linux): merged or base + mlx-lm adapters, --quant as "
            "mlx-lm's own quantizer", ("merge", "separate"), ("dtype", "quant", "group_size"), "mlx.export:export_mlx",
            checks=(unquantized, mlx_architecture)),
+    Target("exl3", "ExLlamaV3 / TabbyAPI (CUDA): adapters merged, converted by exllamav3's converter, every layer "
+           "decoded and checked by tuneport", ("merge",), ("dtype", "bits", "head_bits", "codebook", "work_dir",
+                                                           "dry_run"),
+           "exl3.export:export_exl3", checks=(unquantized, known_architecture)),
 )}
 
 
@@ -184,8 +193,9 @@ def export(options: ExportOptions | None = None, /, *, progress: Progress | None
 
     Pass an :class:`ExportOptions` or its fields as keywords (``base``, ``target``, ``out``, ``adapters``,
     ``adapter_mode``, ``quant``, ``dtype``, ``max_lora_rank``, ``bpe_pre``, ``name``, ``quant_format``,
-    ``group_size``, ``symmetric``, ``ignore``, ``calib``, ``calib_samples``, ``calib_seqlen``, ``force``,
-    ``allow_pickle``); ``progress(done_bytes, total_bytes, item)`` is called as the output is written.
+    ``group_size``, ``symmetric``, ``ignore``, ``calib``, ``calib_samples``, ``calib_seqlen``, ``bits``,
+    ``head_bits``, ``codebook``, ``work_dir``, ``dry_run``, ``force``, ``allow_pickle``);
+    ``progress(done_bytes, total_bytes, item)`` is called as the output is written.
     """
     opts = coerce_options(ExportOptions, options, fields)
     module, func = target_for(opts.target).writer.split(":")

@@ -111,12 +111,18 @@ class ExportOptions(MergeOptions):
     calib: Path | None = None  # awq, gguf: calibration text (plain text or .jsonl); default: built in
     calib_samples: int | None = None  # awq, gguf: samples of calib_seqlen tokens (default 128)
     calib_seqlen: int | None = None  # awq, gguf: tokens per sample (default 512)
+    bits: float | None = None  # exl3: average bits per weight, 1..8 (default 4.0)
+    head_bits: int | None = None  # exl3: bits of the output head, 1..8 or 16 (default 6)
+    codebook: str | None = None  # exl3: mul1 (default), mcg or 3inst
+    work_dir: Path | None = None  # exl3: the merged input and the converter's resumable job
+    dry_run: bool = False  # exl3: print the plan and the converter command, write nothing
 
     def __post_init__(self) -> None:
         from .export import check_target_options
 
         super().__post_init__()
         self.calib = Path(self.calib).expanduser() if self.calib is not None else None
+        self.work_dir = Path(self.work_dir).expanduser() if self.work_dir is not None else None
         self.ignore = list(self.ignore or [])
         check_choice("--adapters", self.adapter_mode, ADAPTER_MODES)
         check_target_options(self)

@@ -72,11 +72,13 @@ class ServeOptions:
     pipeline_parallel_size: int = 1
     max_lora_rank: int | None = None  # None: the largest adapter rank, rounded up to vLLM's set
     max_loras: int | None = None  # adapters in one batch; None: max_adapters
-    engine_port: int | None = None  # vLLM's own port on 127.0.0.1; None: port + 1
+    engine_port: int | None = None  # vLLM's (TabbyAPI's) own port on 127.0.0.1; None: port + 1 (a free one)
     vllm_base_guard: str = "auto"  # base traffic as a zero adapter where vLLM's CPU bug applies
-    log_file: Path | None = None  # vLLM's log; None: in the cache
+    log_file: Path | None = None  # vLLM's (TabbyAPI's) log; None: in the cache
     restart_engine: bool = False  # vLLM died under the gateway: start it again (else serve exits 1)
     vllm_args: list[str] = field(default_factory=list)  # passed to vLLM as they are
+    # ExLlamaV3
+    tabby_dir: Path | None = None  # a TabbyAPI checkout (its main.py), run as the engine's server
     # --dry-run only
     replicas: int = 1
     gpus_per_replica: int = 1
@@ -88,6 +90,7 @@ class ServeOptions:
         self.api_key_file = Path(self.api_key_file) if self.api_key_file else None
         self.admin_key_file = Path(self.admin_key_file) if self.admin_key_file else None
         self.log_file = Path(self.log_file) if self.log_file else None
+        self.tabby_dir = Path(self.tabby_dir).expanduser() if self.tabby_dir else None
         self.vllm_args = list(self.vllm_args)
         check_choice("--engine", self.engine, ("auto", *ENGINES))
         check_choice("--dtype", self.dtype, DTYPES)

@@ -51,6 +51,9 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
                         "max_loras", "engine_port", "vllm_base_guard", "log_file", "restart_engine", "vllm_args")),
     EngineSpec("mlx", "MLX LM", "mlx_lm", "pip install 'tuneport[mlx]'", ("hf", "mlx"), "mlx_backend:MlxBackend",
                "policy.plan:plan_mlx", options=("n_ctx", "max_prompt_tokens")),
+    EngineSpec("exllamav3", "ExLlamaV3", "exllamav3", "on a CUDA host: pip install exllamav3, and a TabbyAPI checkout "
+               "(--tabby-dir)", ("exl3",), "exllamav3_backend:ExllamaV3Backend", "policy.plan:plan_exllamav3",
+               options=("n_ctx", "tabby_dir", "engine_port", "log_file")),
 )}
 
 
@@ -87,6 +90,7 @@ def check_engine_options(opts, engine: str) -> None:
         for key in other.options:
             if key not in mine and key in given:
                 flag = option_flag(key)
-                those = " or ".join(e.name for e in ENGINES.values() if key in e.options)
+                names = [e.name for e in ENGINES.values() if key in e.options]
+                those = " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
                 raise UserError(f"{flag}: only --engine {those} honours it, this server runs {engine}",
                                 f"drop it, or serve with --engine {those}")

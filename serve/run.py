@@ -254,9 +254,9 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
             if engine == "vllm":
                 raise
             notes.append(f"vLLM: {e.line()}")
-    for name in ("llamacpp", "vllm", "mlx"):
-        if artifact.format not in engine_spec(name).formats and "mlx" in (name, artifact.format):
-            continue  # MLX directories and the MLX engine only pair with each other: no note either
+    for name in ("llamacpp", "vllm", "mlx", "exllamav3"):
+        if artifact.format not in engine_spec(name).formats and {"mlx", "exl3", "exllamav3"} & {name, artifact.format}:
+            continue  # MLX and EXL3 directories pair only with their own engine: no note either
         try:
             if name == "vllm" and vllm_plan is not None:
                 launch = vllm_plan.launch
@@ -271,6 +271,8 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
                     name, artifact, dataclasses.replace(load, context_len=opts.n_ctx), contexts=opts.contexts,
                     adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup], dtype=opts.dtype,
                     kv_bytes_per_elem=4 if opts.kv_f32 else None)
+            elif name == "exllamav3":
+                plans[name] = policy.memory_plan(name, artifact, dataclasses.replace(load, context_len=opts.n_ctx))
             elif name == "mlx":
                 plans[name] = policy.memory_plan(
                     name, artifact, dataclasses.replace(load, context_len=opts.n_ctx),
@@ -298,4 +300,22 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
             notes.append(f"base requests go to vLLM as the zero adapter {GUARD_ADAPTER!r} "
                          f"(known bug: {vllm_plan.bugs[0].key}, {vllm_plan.bugs[0].upstream}); "
                          "one extra LoRA slot holds it")
+    if engine == "exllamav3":
+        commands.append(_tabby_command(opts, path))
     return policy.dry_run(decision, plans, commands, notes)
+
+
+def _tabby_command(opts: ServeOptions, model: Path) -> dict:
+    """The TabbyAPI server ``serve --engine exllamav3`` starts, with the config it writes (shown in full)."""
+    import yaml
+
+    from tuneport.convert.exl3.tabby import tabby_config
+
+    from .exllamav3_backend import tabby_launch
+
+    config = tabby_config(model, opts.n_ctx, cache_size=opts.n_ctx * opts.concurrency,
+                          port=opts.engine_port or opts.port + 1)
+    tabby = opts.tabby_dir or Path("TABBY_DIR")
+    return {"what": f"TabbyAPI, run in {tabby} (127.0.0.1 only), with this config.yml:\n"
+                    + yaml.safe_dump(config, sort_keys=False).rstrip(),
+            "env": {}, "argv": ["python", *tabby_launch(tabby, Path("TABBY_CONFIG.yml"))[1:]]}

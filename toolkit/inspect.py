@@ -26,9 +26,10 @@ from tuneport.convert.vllm_rules import preflight
 
 # Every verdict below comes from the rule functions the exporters and preflights use themselves
 # (base_refusal, lora_refusals, preflight), so inspect and export cannot disagree.
-EXL3_MODEL = ("ExLlamaV3 loads EXL3 only, which this version of tuneport does not write "
-              "(exllamav3's own converter takes an unquantized HF directory)")
-EXL3_ADAPTER = "TabbyAPI's exllamav3 backend loads no LoRA: merge it first (tuneport merge)"
+EXL3_MODEL = "ExLlamaV3 loads EXL3 only: tuneport export --target exl3 (on a CUDA host)"
+EXL3_ADAPTER = ("TabbyAPI's exllamav3 backend loads no LoRA: merge it into an EXL3 "
+                "(tuneport export --target exl3 --adapter ...)")
+EXL3_ONLY = "an EXL3 model: ExLlamaV3 (TabbyAPI, CUDA) is the engine that loads it"
 MLX_ADAPTER = ("an mlx-lm adapter (lora_a/lora_b transposed, one scale): export the PEFT adapter it was made from "
                "for this engine")
 
@@ -164,8 +165,26 @@ def _mlx_engine(ck: Checkpoint, exports: dict[str, dict]) -> dict:
     return _engine(as_is is None, f"{as_is}: tuneport export --target mlx" if as_is else "")
 
 
+def inspect_exl3_model(ck: Checkpoint) -> dict:
+    """An EXL3 directory (exllamav3's converter): bits per layer and codebook, read from its tensors."""
+    from tuneport.convert.exl3.read import Exl3Model
+
+    summary = Exl3Model(ck.path).summary()
+    engines = {e: _engine(False, EXL3_ONLY) for e in ("llama.cpp", "vllm", "ollama", "mlx")}
+    engines["exllamav3"] = _engine(True, "TabbyAPI with its exllamav3 backend, on CUDA: tuneport serve --engine "
+                                         "exllamav3")
+    return {"kind": "exl3-model", "path": str(ck.path), "format": "exl3", "architecture": ck.model_type,
+            "hf_architectures": ck.config.get("architectures"), "bytes": ck.nbytes, "files": len(ck.weight_files),
+            "vocab_size": ck.config.get("vocab_size"), "quantization": summary, "layers": summary["layers"],
+            "made_by": _made_by(ck.path), "tokenizer_files": [f.name for f in ck.side_files()], "engines": engines}
+
+
 def inspect_model(spec: str) -> dict:
+    from tuneport.convert.exl3.read import is_exl3
+
     ck = Checkpoint(spec)
+    if is_exl3(ck.config):
+        return inspect_exl3_model(ck)
     arch = known_arch(ck.model_type)
     quant = ck.quantization
     kind = "hf-model"
@@ -340,6 +359,10 @@ def _quant_line(r: dict) -> str | None:
                 f"({', '.join(wq['module_kinds'])}); 16-bit: {', '.join(wq['kept_16bit']) or 'none'}")
     if r["kind"] == "mlx-model":
         return _mlx_quant_line(r["quantization"]) if r["quantization"] else "none"
+    if r["kind"] == "exl3-model":
+        q = r["quantization"]
+        return (f"exl3 {q['bits']} bpw (average over linears {q['average_bits']}), head {q['head_bits']} bits, "
+                f"codebook {', '.join(q['codebooks']) or q['codebook']}; {q['quantized_linears']} linears")
     return None
 
 
@@ -352,6 +375,8 @@ def format_report(r: dict) -> str:
     for k in dict.fromkeys(keys):
         if k == "quantization" and (q := _quant_line(r)) is not None:
             lines.append(f"  {k:16} {q}")
+        elif k == "layers" and isinstance(r.get(k), dict):
+            lines += [f"  {'layers' if i == 0 else '':16} {g}: {d}" for i, (g, d) in enumerate(r[k].items())]
         elif k in r and r[k] not in (None, [], {}) and not (k == "modules" and isinstance(r[k], dict)):
             v = _size(r[k]) if k == "bytes" else (f"{r[k]:,}" if k == "parameters" else r[k])
             lines.append(f"  {k:16} {v}")

@@ -55,7 +55,7 @@ def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
             "|---|---|---|---|---|---|---|---|---|"]
     for a in artifacts:
         name = a["path"] + (f" + {Path(a['lora']).name}" if a.get("lora") else "")
-        gates = "passed" if a["passed"] else "FAILED"
+        gates = a.get("not_measured") or ("passed" if a["passed"] else "FAILED")
         mb = f"{a['bytes'] / 1e6:.1f}" if a.get("bytes") else "–"
         rows.append(f"| {name} | {a.get('engine', '–')} | {mb} | {_metric(a, 'kl', '.2e')} | "
                     f"{_metric(a, 'top1', '.1%')} | {_metric(a, 'ppl_ratio', '.4f')} | "

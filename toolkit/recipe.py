@@ -9,6 +9,7 @@ adapters: [{name: pirate, path: ./adapters/pirate}]
 targets:
   - {type: gguf, quant: [q8_0, q4_k_m], adapters: separate}
   - {type: vllm}
+  - {type: exl3, bits: 4.0}           # on a CUDA host; elsewhere recorded as "not measured: needs CUDA"
 gates: {kl: {default: 0.5, q8_0: 0.02}, top1: 0.8}
 publish: {repo: my-org/smollm2-pirate, private: true, tag: v1.0.0}
 ```
@@ -115,8 +116,19 @@ class MlxTarget(_Strict):
         return self
 
 
-Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget | AWQTarget | MlxTarget, Field(discriminator="type")]
-TARGET_TYPES = ("gguf", "vllm", "safetensors", "awq", "mlx")
+class Exl3Target(_Strict):
+    """EXL3 through exllamav3's converter: exported and checked on a CUDA host, "not measured: needs CUDA"
+    elsewhere (adapters always merged: TabbyAPI loads no LoRA)."""
+
+    type: Literal["exl3"]
+    bits: Annotated[float, Field(ge=1.0, le=8.0)] = 4.0
+    head_bits: Literal[1, 2, 3, 4, 5, 6, 7, 8, 16] = 6
+    codebook: Literal["mul1", "mcg", "3inst"] = "mul1"
+
+
+Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget | AWQTarget | MlxTarget | Exl3Target,
+                   Field(discriminator="type")]
+TARGET_TYPES = ("gguf", "vllm", "safetensors", "awq", "mlx", "exl3")
 
 
 class EvalSpec(_Strict):

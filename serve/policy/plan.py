@@ -173,6 +173,26 @@ def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter
     return spec.load_planner()(artifact, load, opts)
 
 
+def plan_exllamav3(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
+    """TabbyAPI's exllamav3 backend: the EXL3 tensors as stored, an FP16 cache of ``cache_size`` tokens
+    (n_ctx × concurrency rounded up to 256), no adapters (merged into the EXL3)."""
+    from tuneport.convert.exl3.tabby import CACHE_QUANTUM, round_cache
+
+    if a.format != "exl3":
+        raise UserError(f"ExLlamaV3 loads EXL3 only, not {FORMAT_LABELS.get(a.format, a.format)}",
+                        "convert it on a CUDA host: tuneport export --target exl3")
+    weights = a.weight_bytes
+    tokens = round_cache(load.context_len * load.concurrency)
+    kv, kv_how = _kv(a, tokens, o["kv_bytes_per_elem"] or 2,
+                     f"cache_size: n_ctx {load.context_len} × {load.concurrency} requests rounded up to "
+                     f"{CACHE_QUANTUM}")
+    formula = {"weights": f"{_n(weights)} bytes of EXL3 tensors as stored (trellis, suh/svh, fp16 embeddings and "
+                          "norms)", "kv_cache": kv_how + " (cache_mode FP16)",
+               "adapters": "0: ExLlamaV3 serves LoRAs merged into the EXL3",
+               "total": "weights + kv_cache on the GPU (plus ExLlamaV3's working buffers)"}
+    return MemoryPlan("exllamav3", weights, kv, 0, weights + kv, 0, None, formula)
+
+
 # -- dry run --------------------------------------------------------------------------------------
 def dry_run(decision: EngineDecision, plans: dict[str, MemoryPlan], commands: list[dict],
             notes: list[str]) -> dict:

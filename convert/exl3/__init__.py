@@ -1,0 +1,6 @@
+"""EXL3 (ExLlamaV3): drive exllamav3's converter on CUDA hosts, and read and decode what it writes on any machine.
+
+The format's facts live here once: the codebooks (``codebook``), the trellis bit layout of a 16x16 tile
+(``trellis``), the 128-wide Hadamard rotations and ``suh``/``svh`` (``hadamard``), the directory layout
+(``read``), the converter's command line (``converter``) and the export (``export``).
+"""

@@ -1,0 +1,135 @@
+"""exllamav3's converter, driven from tuneport: what it needs, its exact command line, resuming, progress.
+
+Facts (exllamav3 1.4): ``convert.py`` is a thin script over ``exllamav3.conversion.convert_model``'s ``parser``,
+``prepare`` and ``main`` (no console script, no ``__main__``), so tuneport runs the same three calls with the
+installed package. Flags: ``-i`` an unquantized HF directory, ``-o`` output, ``-w`` work directory (its job
+state and finished tensors), ``-b`` average bits (1..8), ``-hb`` head bits (1..8, or 16 for fp16),
+``-cb mul1|mcg|3inst`` (its default mul1), ``-r`` resume the job in ``-w`` (settings restored from its
+args.json). It needs a CUDA GPU: its quantizer and packer are CUDA kernels, compiled at import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from .codebook import CODEBOOKS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BITS = 4.0
+DEFAULT_HEAD_BITS = 6
+DEFAULT_CODEBOOK = "mul1"  # exllamav3's own default since 1.4
+HEAD_BITS = (*range(1, 9), 16)
+INSTALL_HINT = ("on an NVIDIA GPU host: pip install exllamav3 (its extension compiles with nvcc at first import), "
+                "then run the same export there; or --dry-run to print the plan here")
+CONVERTER_SNIPPET = (
+    "import sys\n"
+    "from exllamav3.conversion.convert_model import parser, prepare, main\n"
+    "args = parser.parse_args()\n"
+    "in_args, job_state, ok, err = prepare(args)\n"
+    "if not ok:\n"
+    "    print(' !! Error: ' + str(err), flush=True)\n"
+    "    sys.exit(2)\n"
+    "main(in_args, job_state)\n"
+)
+QUANTIZED_LINE = re.compile(r"^ -- Quantized: (\S+)\s+bpw:\s*(\d+)\b")
+ERROR_LINE = re.compile(r"^ !! (?:Error: )?(.*)")
+
+
+@dataclass(frozen=True)
+class Requirements:
+    cuda: bool
+    exllamav3: bool
+
+    @property
+    def missing(self) -> list[str]:
+        return [what for what, ok in (("a CUDA GPU", self.cuda), ("the exllamav3 package", self.exllamav3)) if not ok]
+
+
+def requirements() -> Requirements:
+    """Whether this machine can convert: CUDA visible to torch, exllamav3 installed (found, not imported: its
+    import compiles CUDA code)."""
+    import torch
+
+    return Requirements(cuda=torch.cuda.is_available(), exllamav3=importlib.util.find_spec("exllamav3") is not None)
+
+
+def require_converter(found: Requirements | None = None) -> None:
+    found = found or requirements()
+    if found.missing:
+        raise UserError("EXL3 conversion needs a CUDA GPU and the exllamav3 package (its quantizer runs CUDA "
+                        f"kernels); this machine lacks {' and '.join(found.missing)}", INSTALL_HINT)
+
+
+def check_settings(bits: float, head_bits: int, codebook: str) -> None:
+    if not 1.0 <= bits <= 8.0:
+        raise UserError(f"--bits {bits:g} is outside exllamav3's range", "use an average of 1 to 8 bits per weight "
+                        "(e.g. 4.0)")
+    if head_bits not in HEAD_BITS:
+        raise UserError(f"--head-bits {head_bits} is not one exllamav3 writes", "use 1 to 8, or 16 for an fp16 head")
+    if codebook not in CODEBOOKS:
+        raise UserError(f"unknown --codebook {codebook!r}", f"use one of {', '.join(CODEBOOKS)}")
+
+
+@dataclass(frozen=True)
+class ConverterRun:
+    """One invocation of exllamav3's converter."""
+
+    in_dir: Path  # the merged, unquantized HF directory
+    out_dir: Path
+    work_dir: Path  # exllamav3's job directory (resumable)
+    bits: float
+    head_bits: int
+    codebook: str
+    resume: bool = False
+
+    def argv(self, python: str = sys.executable) -> list[str]:
+        """The exact command: a fresh job with every setting, or ``-r`` (settings come from the job's args.json)."""
+        flags = ["-w", str(self.work_dir), "-r"] if self.resume else [
+            "-i", str(self.in_dir), "-o", str(self.out_dir), "-w", str(self.work_dir), "-b", f"{self.bits:g}",
+            "-hb", str(self.head_bits), "-cb", self.codebook]
+        return [python, "-c", CONVERTER_SNIPPET, *flags]
+
+    def display(self) -> str:
+        """The command as a user would type it with a checkout of exllamav3 (same flags, its convert.py)."""
+        return " ".join(["python", "convert.py", *self.argv()[3:]])
+
+
+def job_started(work_dir: Path) -> bool:
+    """Whether exllamav3 left a job in ``work_dir`` (its args.json) that ``-r`` can resume."""
+    return (work_dir / "args.json").is_file()
+
+
+def run_converter(run: ConverterRun, total_linears: int,
+                  progress: Callable[[int, int, str], None] | None = None) -> list[str]:
+    """Run the converter, streaming its lines to the log and counting quantized linears for ``progress``;
+    its output lines. A failure is a UserError naming the converter's own error and how to resume."""
+    run.work_dir.mkdir(parents=True, exist_ok=True)
+    log.info("running exllamav3's converter: %s", run.display())
+    lines: list[str] = []
+    done: set[str] = set()
+    proc = subprocess.Popen(run.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        lines.append(line)
+        log.info("exllamav3: %s", line)
+        if (m := QUANTIZED_LINE.match(line)) and m.group(1) not in done:
+            done.add(m.group(1))
+            if progress:
+                progress(min(len(done), total_linears), total_linears, m.group(1))
+    rc = proc.wait()
+    if rc:
+        errors = [m.group(1) for line in lines if (m := ERROR_LINE.match(line))]
+        reason = errors[-1] if errors else next((ln for ln in reversed(lines) if ln.strip()), "no output")
+        raise UserError(f"exllamav3's converter failed (exit {rc}): {reason.strip()[:300]}",
+                        f"fix the cause and run the same export again: it resumes from {run.work_dir}")
+    return lines

@@ -1,0 +1,111 @@
+"""ExLlamaV3 as tuneport's engine for EXL3 without CUDA: TabbyAPI's config as TabbyAPI documents it, the
+refusals `serve --engine exllamav3` gives before starting anything (adapters to pool, no TabbyAPI, no CUDA),
+its `--dry-run` plan, the engine policy, and an EXL3 recipe target recorded as "not measured: needs CUDA"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from test_exl3 import write_exl3
+
+from tuneport.convert.exl3.tabby import CACHE_QUANTUM, DOCUMENTED_KEYS, tabby_config, write_tabby_config
+
+
+@pytest.fixture(scope="module")
+def exl3_model(zoo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exl3-serve") / "tiny-exl3"
+    write_exl3(zoo.base("llama"), out)
+    return out
+
+
+def test_tabby_config_uses_only_documented_keys(tmp_path):
+    cfg = tabby_config(tmp_path / "models" / "my-exl3", 3000, cache_size=3000 * 4, port=5123)
+    for section, values in cfg.items():
+        assert set(values) <= set(DOCUMENTED_KEYS[section]), (section, values)
+    assert cfg["model"] == {"model_dir": str(tmp_path / "models"), "model_name": "my-exl3", "backend": "exllamav3",
+                            "max_seq_len": 3000, "cache_size": 12032, "cache_mode": "FP16"}
+    assert cfg["model"]["cache_size"] % CACHE_QUANTUM == 0 and cfg["model"]["cache_size"] >= 12000
+    assert cfg["network"] == {"host": "127.0.0.1", "port": 5123, "disable_auth": True, "api_servers": ["OAI"]}
+    path = write_tabby_config(tmp_path / "config.yml", cfg)
+    assert yaml.safe_load(path.read_text()) == cfg and path.read_text().startswith("# TabbyAPI config")
+    assert tabby_config(tmp_path / "m", 256, cache_mode="8,6")["model"]["cache_mode"] == "8,6"
+    with pytest.raises(ValueError, match="cache_mode"):
+        tabby_config(tmp_path / "m", 256, cache_mode="Q5")
+
+
+def test_serve_exllamav3_refuses_adapters_to_pool(exl3_model, zoo, cli):
+    for extra in (["--adapter", f"a={zoo.adapter('llama', 'plain')}"], ["--adapter-dir", str(exl3_model.parent)]):
+        code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--dry-run", *extra)
+        assert code == 2 and out == "" and "Traceback" not in err
+        assert "ExLlamaV3 (TabbyAPI) serves no LoRA adapters" in err and "tuneport export --target exl3" in err
+
+
+def test_serve_exllamav3_refuses_to_start_here(exl3_model, tmp_path, cli):
+    """exllamav3 is not installed on this machine: refused before anything starts; the other engines refuse EXL3."""
+    code, _, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--tabby-dir", tmp_path)
+    assert code == 2 and "ExLlamaV3 (--engine exllamav3) is not installed here" in err and "--tabby-dir" in err
+    code, _, err = cli("serve", "--base", exl3_model, "--engine", "llamacpp")
+    assert code == 2 and "serves GGUF, HF safetensors, not EXL3" in err and "--engine exllamav3" in err
+    code, _, err = cli("serve", "--base", exl3_model)
+    assert code == 2 and "EXL3 weights run only on ExLlamaV3, which needs a CUDA GPU" in err
+
+
+def test_exllamav3_backend_checks_tabby_and_cuda(exl3_model, tmp_path):
+    from tuneport.convert.errors import UserError
+    from tuneport.serve.exllamav3_backend import check_tabby, tabby_launch
+    from tuneport.serve.options import ServeOptions
+
+    with pytest.raises(UserError, match="--engine exllamav3 runs TabbyAPI, which tuneport does not ship"):
+        check_tabby(ServeOptions(base=exl3_model, engine="exllamav3"))
+    with pytest.raises(UserError, match="is not a TabbyAPI checkout"):
+        check_tabby(ServeOptions(base=exl3_model, engine="exllamav3", tabby_dir=tmp_path))
+    (tmp_path / "main.py").write_text("")
+    with pytest.raises(UserError, match="ExLlamaV3 needs a CUDA GPU"):
+        check_tabby(ServeOptions(base=exl3_model, engine="exllamav3", tabby_dir=tmp_path))
+    assert tabby_launch(tmp_path, tmp_path / "c.yml")[1:] == ["main.py", "--config", str(tmp_path / "c.yml")]
+
+
+def test_serve_exllamav3_dry_run_plans_memory_and_tabby(exl3_model, tmp_path, cli):
+    code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--tabby-dir", tmp_path,
+                         "--n-ctx", "1000", "--concurrency", "4", "--port", "9000", "--dry-run", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["engine"] == "exllamav3" and list(r["plans"]) == ["exllamav3"]
+    plan = r["plans"]["exllamav3"]
+    weights = sum(f.stat().st_size for f in exl3_model.glob("*.safetensors"))
+    assert plan["adapters"] == 0 and 0.9 * weights < plan["weights"] <= weights
+    # 2 (K, V) x 2 layers x 2 KV heads x 32 head_dim x cache_size 4096 (1000 x 4 rounded up to 256) x 2 bytes
+    assert plan["kv_cache"] == 2 * 2 * 2 * 32 * 4096 * 2 and "cache_size" in plan["formula"]["kv_cache"]
+    tabby = r["commands"][-1]
+    assert tabby["argv"] == ["python", "main.py", "--config", "TABBY_CONFIG.yml"]
+    config = yaml.safe_load(tabby["what"].split("config.yml:\n", 1)[1])
+    assert config["model"]["model_name"] == exl3_model.name and config["network"]["port"] == 9001
+    assert r["commands"][0]["argv"][:4] == ["tuneport", "serve", "--engine", "exllamav3"]
+    assert "--tabby-dir" in r["commands"][0]["argv"]
+
+
+def test_release_records_exl3_as_not_measured_without_cuda(zoo, tmp_path, cli):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+name: tiny-exl3
+version: 0.1.0
+license: apache-2.0
+base: {{path: {zoo.base('llama')}}}
+adapters:
+  - {{name: plain, path: {zoo.adapter('llama', 'plain')}}}
+targets:
+  - {{type: exl3, bits: 3.5, codebook: mcg}}
+eval: {{tokens: 32}}
+""")
+    code, out, err = cli("release", recipe, "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    [entry] = summary["artifacts"]
+    assert entry["not_measured"] == "not measured: needs CUDA" and not entry["verified"] and entry["passed"]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "not measured: needs CUDA" in card
+    assert not (tmp_path / "out" / "artifacts" / "exl3").exists()
+    code, _, err = cli("release", recipe.parent / "nope.yaml")
+    assert code == 2
