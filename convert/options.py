@@ -112,7 +112,7 @@ class ExportOptions(MergeOptions):
     calib_samples: int | None = None  # awq, gguf: samples of calib_seqlen tokens (default 128)
     calib_seqlen: int | None = None  # awq, gguf: tokens per sample (default 512)
     bits: float | None = None  # exl3: average bits per weight, 1..8 (default 4.0)
-    head_bits: int | None = None  # exl3: bits of the output head, 1..8 or 16 (default 6)
+    head_bits: float | None = None  # exl3: bits of the output head, 1..8, 16, or 1.5/2.5/3.5 with mul1 (default 6)
     codebook: str | None = None  # exl3: mul1 (default), mcg or 3inst
     work_dir: Path | None = None  # exl3: the merged input and the converter's resumable job
     dry_run: bool = False  # exl3: print the plan and the converter command, write nothing

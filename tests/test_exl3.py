@@ -58,6 +58,32 @@ def scalar_pack(states: list[int], k: int) -> list[int]:
     return [w - 0x10000 if w >= 0x8000 else w for w in swapped]
 
 
+def scalar_pack_frac(states: list[int], k: float) -> list[int]:
+    """frac.cu's pack kernel: position i adds D(i) = KA + bit (i mod 16) of 0xAAAA, MSB first into 32-bit words,
+    stored as they are (little-endian: each word is two int16 values, low half first)."""
+    ka, bits = int(k), []
+    for i, s in enumerate(states):
+        d = ka + ((0xAAAA >> (i % 16)) & 1)
+        bits += [(s >> b) & 1 for b in range(d - 1, -1, -1)]
+    out = []
+    for w in range(len(bits) // 32):
+        word = sum(bit << (31 - j) for j, bit in enumerate(bits[32 * w: 32 * w + 32]))
+        out += [word & 0xFFFF, word >> 16]
+    return [v - 0x10000 if v >= 0x8000 else v for v in out]
+
+
+def scalar_unpack_frac(words16: list[int], k: float) -> list[int]:
+    """frac.cu's unpack: position i's state is the 16-bit window of the ring ending at S(i) = Σ D(0..i)."""
+    words = [(words16[2 * w] & 0xFFFF) | ((words16[2 * w + 1] & 0xFFFF) << 16) for w in range(len(words16) // 2)]
+    ka, end, out = int(k), 0, []
+    for i in range(256):
+        end += ka + ((0xAAAA >> (i % 16)) & 1)
+        start = (end - 16) % (32 * len(words))
+        v = (words[start // 32] << 32) | words[(start // 32 + 1) % len(words)]
+        out.append((v >> (48 - start % 32)) & 0xFFFF)
+    return out
+
+
 # -- a reference encoder: exllamav3's two-pass tail-biting Viterbi over tiles ----------------------------------
 def viterbi(w: torch.Tensor, k: int, lut: torch.Tensor) -> torch.Tensor:
     """The states [N, 256] whose codebook values are closest (squared error) to tiles w [N, 256] (fragment
@@ -141,6 +167,23 @@ def test_unpack_of_pack_round_trips_in_exllamav3s_bit_layout(k):
     assert packed.dtype == torch.int16 and packed.shape == (3, 2, 16 * k)
     assert packed[1, 1].tolist() == scalar_pack(states[1, 1].tolist(), k)
     assert torch.equal(T.unpack(packed), states)
+
+
+@pytest.mark.parametrize("k", [1.5, 2.5, 3.5, 7.5])
+def test_half_integer_bitrates_pack_and_unpack_as_exllamav3(k):
+    """exllamav3 1.6 writes K = 1.5, 2.5, 3.5 with mul1 (16K int16 per tile): alternating KA- and KA+1-bit steps."""
+    symbols = torch.randint(0, 1 << 8, (2, 3, 256))
+    states = T.states_from_symbols(symbols, k)
+    assert T.tail_biting(states, k).all()
+    packed = T.pack(states, k)
+    assert packed.shape == (2, 3, int(16 * k)) and T.bits_of(packed) == k
+    assert packed[1, 2].tolist() == scalar_pack_frac(states[1, 2].tolist(), k)
+    assert T.unpack(packed)[1, 2].tolist() == scalar_unpack_frac(packed[1, 2].tolist(), k) == states[1, 2].tolist()
+    anything = torch.randint(-(1 << 15), 1 << 15, (3, int(16 * k)), dtype=torch.int16)
+    assert T.unpack(anything)[2].tolist() == scalar_unpack_frac(anything[2].tolist(), k)
+    assert T.tail_biting(T.unpack(anything), k).all()
+    with pytest.raises(ValueError, match="16\\*K int16 values"):
+        T.bits_from_width(int(16 * k) + 4)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -346,6 +389,7 @@ def test_export_exl3_dry_run_prints_the_plan_and_the_converter_command(zoo, tmp_
     (["--target", "exl3", "--adapters", "separate"], "--target exl3 writes --adapters merge only"),
     (["--target", "exl3", "--bits", "9"], "--bits 9 is outside exllamav3's range"),
     (["--target", "exl3", "--head-bits", "12"], "--head-bits 12 is not one exllamav3 writes"),
+    (["--target", "exl3", "--head-bits", "3.5", "--codebook", "mcg"], "--head-bits 3.5 needs the mul1 codebook"),
     (["--target", "exl3", "--codebook", "e8p"], "unknown --codebook 'e8p'"),
 ])
 def test_exl3_options_are_checked(zoo, tmp_path, cli, args, message):

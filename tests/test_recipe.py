@@ -55,6 +55,7 @@ def test_mlx_target_options():
      "targets[1]: type 'exl2' is not a target (allowed: gguf, vllm, safetensors, awq, mlx, exl3)"),
     (("{type: vllm}", "{type: exl3, bits: 9}"), "targets[1].bits: Input should be less than or equal to 8"),
     (("{type: vllm}", "{type: exl3, codebook: e8p}"), "targets[1].codebook: Input should be 'mul1', 'mcg' or"),
+    (("{type: vllm}", "{type: exl3, head_bits: 2.5, codebook: 3inst}"), "targets[1]: head_bits 2.5 needs codebook mul1"),
     (("{type: vllm}", "{type: mlx, quant: q9}"), "targets[1].quant: Input should be 'q2', 'q3', 'q4'"),
     (("{type: vllm}", "{type: mlx, group_size: 32}"), "targets[1]: group_size applies with a quant type"),
     (("{type: vllm}", "{type: mlx, quant: mxfp4, group_size: 64}"),

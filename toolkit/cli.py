@@ -134,7 +134,8 @@ def export(
     calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="awq, gguf: samples (128)")] = None,
     calib_seqlen: Annotated[int | None, typer.Option("--calib-seqlen", help="awq, gguf: tokens each (512)")] = None,
     bits: Annotated[float | None, typer.Option("--bits", help="exl3: average bits per weight, 1-8 (4.0)")] = None,
-    head_bits: Annotated[int | None, typer.Option("--head-bits", help="exl3: output head bits, 1-8 or 16 (6)")] = None,
+    head_bits: Annotated[float | None, typer.Option("--head-bits", help="exl3: output head bits, 1-8 or 16 (6); "
+                                                    "1.5, 2.5, 3.5 with mul1")] = None,
     codebook: Annotated[str | None, typer.Option("--codebook", help="exl3: mul1 (default), mcg or 3inst")] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="exl3: merged input and the converter's "
                                                   "resumable job (default OUT.exl3-work)")] = None,

@@ -122,8 +122,14 @@ class Exl3Target(_Strict):
 
     type: Literal["exl3"]
     bits: Annotated[float, Field(ge=1.0, le=8.0)] = 4.0
-    head_bits: Literal[1, 2, 3, 4, 5, 6, 7, 8, 16] = 6
+    head_bits: Literal[1, 2, 3, 4, 5, 6, 7, 8, 16, 1.5, 2.5, 3.5] = 6  # half-integers: mul1 only (exllamav3 1.6)
     codebook: Literal["mul1", "mcg", "3inst"] = "mul1"
+
+    @model_validator(mode="after")
+    def _half_rates_need_mul1(self) -> Exl3Target:
+        if not float(self.head_bits).is_integer() and self.codebook != "mul1":
+            raise ValueError(f"head_bits {self.head_bits} needs codebook mul1 (exllamav3's half-integer kernels)")
+        return self
 
 
 Target = Annotated[GGUFTarget | VllmTarget | SafetensorsTarget | AWQTarget | MlxTarget | Exl3Target,

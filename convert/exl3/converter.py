@@ -4,7 +4,8 @@ Facts (exllamav3 1.4): ``convert.py`` is a thin script over ``exllamav3.conversi
 ``prepare`` and ``main`` (no console script, no ``__main__``), so tuneport runs the same three calls with the
 installed package. Flags: ``-i`` an unquantized HF directory, ``-o`` output, ``-w`` work directory (its job
 state and finished tensors), ``-b`` average bits (1..8), ``-hb`` head bits (1..8, or 16 for fp16),
-``-cb mul1|mcg|3inst`` (its default mul1), ``-r`` resume the job in ``-w`` (settings restored from its
+``-cb mul1|mcg|3inst`` (its default mul1; 1.6 adds half-integer bitrates 1.5/2.5/3.5 with mul1, which its
+bit allocation uses below 4 bits), ``-r`` resume the job in ``-w`` (settings restored from its
 args.json). It needs a CUDA GPU: its quantizer and packer are CUDA kernels, compiled at import.
 """
 
@@ -28,6 +29,7 @@ DEFAULT_BITS = 4.0
 DEFAULT_HEAD_BITS = 6
 DEFAULT_CODEBOOK = "mul1"  # exllamav3's own default since 1.4
 HEAD_BITS = (*range(1, 9), 16)
+HALF_RATES = (1.5, 2.5, 3.5)  # exllamav3 1.6: half-integer bitrates, with the mul1 codebook only
 INSTALL_HINT = ("on an NVIDIA GPU host: pip install exllamav3 (its extension compiles with nvcc at first import), "
                 "then run the same export there; or --dry-run to print the plan here")
 CONVERTER_SNIPPET = (
@@ -69,14 +71,18 @@ def require_converter(found: Requirements | None = None) -> None:
                         f"kernels); this machine lacks {' and '.join(found.missing)}", INSTALL_HINT)
 
 
-def check_settings(bits: float, head_bits: int, codebook: str) -> None:
+def check_settings(bits: float, head_bits: float, codebook: str) -> None:
     if not 1.0 <= bits <= 8.0:
         raise UserError(f"--bits {bits:g} is outside exllamav3's range", "use an average of 1 to 8 bits per weight "
                         "(e.g. 4.0)")
-    if head_bits not in HEAD_BITS:
-        raise UserError(f"--head-bits {head_bits} is not one exllamav3 writes", "use 1 to 8, or 16 for an fp16 head")
     if codebook not in CODEBOOKS:
         raise UserError(f"unknown --codebook {codebook!r}", f"use one of {', '.join(CODEBOOKS)}")
+    if head_bits not in HEAD_BITS and head_bits not in HALF_RATES:
+        raise UserError(f"--head-bits {head_bits:g} is not one exllamav3 writes",
+                        "use 1 to 8, 16 for an fp16 head, or 1.5, 2.5, 3.5 with --codebook mul1")
+    if head_bits in HALF_RATES and codebook != "mul1":
+        raise UserError(f"--head-bits {head_bits:g} needs the mul1 codebook (exllamav3 has half-integer kernels "
+                        "for mul1 only)", "use --codebook mul1, or whole head bits")
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class ConverterRun:
     out_dir: Path
     work_dir: Path  # exllamav3's job directory (resumable)
     bits: float
-    head_bits: int
+    head_bits: float
     codebook: str
     resume: bool = False
 
@@ -95,7 +101,7 @@ class ConverterRun:
         """The exact command: a fresh job with every setting, or ``-r`` (settings come from the job's args.json)."""
         flags = ["-w", str(self.work_dir), "-r"] if self.resume else [
             "-i", str(self.in_dir), "-o", str(self.out_dir), "-w", str(self.work_dir), "-b", f"{self.bits:g}",
-            "-hb", str(self.head_bits), "-cb", self.codebook]
+            "-hb", f"{self.head_bits:g}", "-cb", self.codebook]
         return [python, "-c", CONVERTER_SNIPPET, *flags]
 
     def display(self) -> str:

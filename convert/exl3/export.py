@@ -39,15 +39,16 @@ PLAN_FILE = "tuneport-exl3.json"  # in the work directory: what it was made for 
 MERGED, JOB, CONVERTED = "merged", "job", "converted"
 
 
-def error_bound(bits: int) -> float:
+def error_bound(bits: float) -> float:
     """The largest relative error ||decoded - merged|| / ||merged|| accepted for a K-bit layer: 1.5 * 2^(1-K)
     (about twice what exllamav3's trellis reaches on Gaussian weights; a wrong layout or codebook gives ~1)."""
     return 1.5 * 2.0 ** (1 - bits)
 
 
-def settings(opts: ExportOptions) -> tuple[float, int, str]:
+def settings(opts: ExportOptions) -> tuple[float, float, str]:
     bits = DEFAULT_BITS if opts.bits is None else float(opts.bits)
-    head_bits = DEFAULT_HEAD_BITS if opts.head_bits is None else int(opts.head_bits)
+    head_bits = float(DEFAULT_HEAD_BITS if opts.head_bits is None else opts.head_bits)
+    head_bits = int(head_bits) if head_bits.is_integer() else head_bits
     codebook = opts.codebook or DEFAULT_CODEBOOK
     check_settings(bits, head_bits, codebook)
     return bits, head_bits, codebook
@@ -58,7 +59,7 @@ def work_dir_for(opts: ExportOptions) -> Path:
     return Path(opts.work_dir).expanduser().absolute() if opts.work_dir else out.parent / f"{out.name}.exl3-work"
 
 
-def plan_key(opts: ExportOptions, bits: float, head_bits: int, codebook: str) -> dict:
+def plan_key(opts: ExportOptions, bits: float, head_bits: float, codebook: str) -> dict:
     return {"base": str(opts.base), "adapters": [asdict(a) | {"path": str(a.path)} for a in opts.adapters],
             "dtype": merged_dtype(opts), "bits": bits, "head_bits": head_bits, "codebook": codebook}
 

@@ -20,7 +20,7 @@ from ..checkpoint import Checkpoint
 from ..errors import UserError
 from .codebook import codebook_of
 from .hadamard import reconstruct
-from .trellis import TILE, bits_of, decode
+from .trellis import TILE, Bits, bits_from_width, decode
 
 QUANT_METHOD = "exl3"
 TRELLIS, SUH, SVH = "trellis", "suh", "svh"
@@ -34,7 +34,7 @@ def is_exl3(config: dict) -> bool:
 @dataclass(frozen=True)
 class Exl3Linear:
     key: str  # e.g. model.layers.0.self_attn.q_proj
-    bits: int  # K
+    bits: Bits  # K: 1..8, or a half-integer (exllamav3 1.6, mul1)
     codebook: str
     in_features: int  # as stored (padded to 128)
     out_features: int
@@ -66,7 +66,7 @@ class Exl3Model:
                 raise UserError(f"{self.path}: {name} has shape {list(shape)}, not [in/16, out/16, 16*K]",
                                 "the EXL3 directory is corrupt: convert it again")
             try:
-                k = bits_of(torch.empty(shape[-1:]))
+                k = bits_from_width(shape[-1])
             except ValueError as e:
                 raise UserError(f"{self.path}: {name}: {e}",
                                 "the EXL3 directory is corrupt: convert it again") from None
