@@ -12,6 +12,7 @@ provides. Loads run without the pool's lock; unloads (evictions, removals) still
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -24,6 +25,8 @@ from .errors import ApiError
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
+
+log = logging.getLogger(__name__)
 
 class PoolError(ApiError):
     """A pool request that cannot be served; ``status`` is the HTTP status a gateway should answer."""
@@ -206,9 +209,18 @@ class AdapterPool:
                                 "retry later, unload an adapter, or raise --max-adapters", status=503)
             victim = min(idle, key=lambda e: e.last_used)
             del self._entries[victim.name]
-            self._unload(victim.name)
+            self._evict(victim.name)
             self.stats.evictions += 1
         return True
+
+    def _evict(self, name: str) -> None:
+        """Unload an evicted (or removed) adapter from the engine. When the engine does not confirm it (vLLM's connection
+        dropped), the request that needed the slot still goes on: the slot is free in the pool, and the engine's
+        stale copy is replaced when the name is loaded again (the backend's load replaces in place)."""
+        try:
+            self._unload(name)
+        except Exception as e:  # noqa: BLE001 - the eviction stands; the engine's copy is replaced on reload
+            log.warning("adapter %s evicted, but the engine did not confirm its unload: %s", name, e)
 
     def remove(self, name: str) -> None:
         """Unload ``name``; refused (409) while requests use it."""
@@ -219,7 +231,7 @@ class AdapterPool:
             if entry.refs:
                 raise PoolError(f"adapter {name!r} is in use by {entry.refs} request(s)", "retry later", status=409)
             del self._entries[name]
-            self._unload(name)
+            self._evict(name)
 
     def forget(self, name: str) -> None:
         """Drop ``name`` without unloading it: the engine no longer holds it (it restarted without it)."""

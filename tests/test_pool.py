@@ -142,3 +142,23 @@ def test_two_loads_of_one_name_waiting_for_a_full_pool_load_it_once(tmp_path):
         t.join(10)
     assert engine.log.count(("load", "b")) == 1
     assert sorted(map(str, results))[0] == "409" and pool.names() == ["b"]
+
+
+def test_an_unload_the_engine_does_not_confirm_still_frees_the_slot(setup, caplog):
+    """Seen in the vLLM soak: vLLM dropped the connection of an eviction's unload; the request needing the slot
+    failed (500) and the adapter stayed loaded in vLLM but not in the pool. Now the eviction stands with a log
+    line, and the engine's stale copy is the backend's to replace on the next load of that name."""
+    pool, eng, root = setup
+
+    def lost(name):
+        raise ConnectionError("Server disconnected without sending a response.")
+
+    pool.add("a", root / "a")
+    pool.add("b", root / "b")
+    pool._unload = lost
+    with pool.use("c") as entry:  # evicts a; its unload is lost
+        assert entry.name == "c"
+    assert sorted(pool.names()) == ["b", "c"] and pool.stats.evictions == 1
+    assert "adapter a evicted, but the engine did not confirm its unload" in caplog.text
+    pool.remove("b")  # an admin unload: the same
+    assert pool.names() == ["c"]

@@ -138,6 +138,21 @@ def test_runtime_load_request_unload_then_404(vsrv, refs):
     assert r.status_code == 404 and "not loaded" in r.json()["error"]["message"]
 
 
+def test_a_stale_copy_in_vllm_is_replaced_on_load(vsrv, refs):
+    """An adapter vLLM still holds though the pool let it go (its unload's connection dropped): loading the name
+    again replaces vLLM's copy in place instead of failing with "has already been loaded" forever."""
+    prompts, want = refs
+    url, service = vsrv["url"], vsrv["service"]
+    # the stale copy: the name loaded in vLLM directly with other weights, unknown to the pool
+    r = httpx.post(service.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "stale", "lora_path": str(vsrv["adapter_dir"] / "ondemand")})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/adapters", json={"name": "stale", "path": str(vsrv["adapter_dir"] / "fresh")})
+    assert r.status_code == 201, r.text
+    assert complete(url, "stale", prompts[0]).json()["choices"][0]["token_ids"] == want["fresh"][0]
+    assert httpx.delete(url + "/v1/adapters/stale").status_code == 200
+
+
 def test_on_demand_load_from_adapter_dir(vsrv, refs):
     prompts, want = refs
     assert "ondemand" not in vsrv["service"].pool

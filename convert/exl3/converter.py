@@ -42,8 +42,8 @@ CONVERTER_SNIPPET = (
     "    sys.exit(2)\n"
     "main(in_args, job_state)\n"
 )
-QUANTIZED_LINE = re.compile(r"^ -- Quantized: (\S+)\s+bpw:\s*(\d+)\b")
-ERROR_LINE = re.compile(r"^ !! (?:Error: )?(.*)")
+QUANTIZED_LINE = re.compile(r"^ -- Quantized: (\S+)\s+bpw:\s*([\d.]+)")  # 1.4: "bpw:  4", 1.6: "bpw:  4.00"
+ERROR_LINE = re.compile(r"^ !! Error: (.*)")  # prepare()'s refusals; " !! Warning..." lines are not errors
 
 
 @dataclass(frozen=True)

@@ -101,21 +101,39 @@ class VllmProcess(ChildServer):
                          {**launch.env(), **(env or {})})
 
 
+ALREADY_LOADED = "has already been loaded"  # vLLM's refusal of a name it holds (load_inplace replaces it)
+
+
 class VllmAdapters:
-    """Runtime adapter loading against a running vLLM server."""
+    """Runtime adapter loading against a running vLLM server. Both calls are safe to repeat: an unload of a
+    name vLLM does not hold is fine, and a load of a name it still holds (its unload was never confirmed)
+    replaces it in place; a dropped connection is retried once."""
 
     def __init__(self, url: str, timeout_s: float = 300.0) -> None:
         import httpx
 
-        self.client = httpx.Client(base_url=url, timeout=timeout_s)
+        # below uvicorn's 5 s keep-alive timeout on vLLM's side: never send on a connection it is closing
+        # (a soak saw "Server disconnected without sending a response" on an unload otherwise)
+        self.client = httpx.Client(base_url=url, timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=2.0))
+
+    def _post(self, path: str, body: dict):
+        import httpx
+
+        try:
+            return self.client.post(path, json=body)
+        except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
+            return self.client.post(path, json=body)  # a fresh connection; the call is safe to repeat
 
     def load(self, name: str, path: Path) -> None:
-        r = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        body = {"lora_name": name, "lora_path": str(path)}
+        r = self._post("/v1/load_lora_adapter", body)
+        if r.status_code == 400 and ALREADY_LOADED in error_message(r):  # a copy whose unload was lost
+            r = self._post("/v1/load_lora_adapter", {**body, "load_inplace": True})
         if r.status_code != 200:
             raise VllmRefused(name, r.status_code, error_message(r))
 
     def unload(self, name: str) -> None:
-        r = self.client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        r = self._post("/v1/unload_lora_adapter", {"lora_name": name})
         if r.status_code not in (200, 404):
             raise VllmRefused(name, r.status_code, error_message(r))
 
