@@ -214,9 +214,9 @@ class AdapterPool:
         return True
 
     def _evict(self, name: str) -> None:
-        """Unload an evicted (or removed) adapter from the engine. When the engine does not confirm it (vLLM's connection
-        dropped), the request that needed the slot still goes on: the slot is free in the pool, and the engine's
-        stale copy is replaced when the name is loaded again (the backend's load replaces in place)."""
+        """Unload an evicted (or removed) adapter from the engine. When the engine does not confirm it (vLLM's
+        connection dropped), the request that needed the slot still goes on: the slot is free in the pool, and
+        the engine's stale copy is replaced when the name is loaded again (the backend's load replaces in place)."""
         try:
             self._unload(name)
         except Exception as e:  # noqa: BLE001 - the eviction stands; the engine's copy is replaced on reload
