@@ -36,6 +36,11 @@ def tabby_launch(tabby_dir: Path, config: Path) -> list[str]:
     return [str(python if python.exists() else Path(sys.executable)), "main.py", "--config", str(config)]
 
 
+def engine_port(opts) -> int:
+    """TabbyAPI's port: ``--engine-port``, else the gateway's + 1 (as vLLM's), else a free one."""
+    return opts.engine_port or (opts.port + 1 if opts.port else free_port())
+
+
 def check_tabby(opts) -> Path:
     """The TabbyAPI checkout to run, and a CUDA GPU to run it on; refused with the reason otherwise."""
     import torch
@@ -60,13 +65,17 @@ class ExllamaV3Backend(UpstreamBackend):
         model = resolve_model_path(opts.base)
         super().__init__(model_name(opts.base), 1, None)
         self.served_as = model.name  # TabbyAPI names the model after its directory
-        port = opts.engine_port or free_port()
+        port = engine_port(opts)
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
         self.config_path = write_tabby_config(cache_dir() / "tabby" / f"config-{stamp}.yml", tabby_config(
             model, opts.n_ctx, cache_size=opts.n_ctx * opts.concurrency, host="127.0.0.1", port=port))
         self.command = tabby_launch(tabby, self.config_path)
         log_path = opts.log_file or cache_dir() / "logs" / f"tabby-{stamp}.log"
-        self.process = ChildServer(self.label, self.command, f"http://127.0.0.1:{port}", log_path, cwd=tabby)
+        if (tabby / "config.yml").is_file():
+            log.warning("%s/config.yml exists: TabbyAPI reads it before tuneport's config, so keys tuneport does "
+                        "not set there (lora, draft_model, gpu_split, ...) still apply", tabby)
+        self.process = ChildServer(self.label, self.command, f"http://127.0.0.1:{port}", log_path, cwd=tabby,
+                                   unset_env_prefix="TABBY_")  # TabbyAPI's env overrides would beat the config
         self.process.wait_healthy(start_timeout_s)  # stops it when it does not come up
         self.url = self.process.url
 
@@ -87,6 +96,10 @@ class ExllamaV3Backend(UpstreamBackend):
 
     def upstream_model(self, model: str) -> str:
         return self.served_as
+
+    def whole_answer_body(self, body: dict) -> dict:
+        # TabbyAPI reports usage only when stream_options.include_usage is set, streamed or not
+        return {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
 
     def health(self) -> bool:
         return self.process.alive() and self._failure is None

@@ -311,10 +311,9 @@ def _tabby_command(opts: ServeOptions, model: Path) -> dict:
 
     from tuneport.convert.exl3.tabby import tabby_config
 
-    from .exllamav3_backend import tabby_launch
+    from .exllamav3_backend import engine_port, tabby_launch
 
-    config = tabby_config(model, opts.n_ctx, cache_size=opts.n_ctx * opts.concurrency,
-                          port=opts.engine_port or opts.port + 1)
+    config = tabby_config(model, opts.n_ctx, cache_size=opts.n_ctx * opts.concurrency, port=engine_port(opts))
     tabby = opts.tabby_dir or Path("TABBY_DIR")
     return {"what": f"TabbyAPI, run in {tabby} (127.0.0.1 only), with this config.yml:\n"
                     + yaml.safe_dump(config, sort_keys=False).rstrip(),

@@ -55,8 +55,13 @@ class UpstreamBackend(Backend):
         model = body.get("model") or self.name
         return model, list(adapters), {**body, "model": self.upstream_model(model)}
 
+    def whole_answer_body(self, body: dict) -> dict:
+        """The body of a request answered whole (not streamed), as the child needs it to report usage."""
+        return body
+
     async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
         model, adapters, sent = self._route(body)
+        sent = self.whole_answer_body(sent)
         with await self.hold(adapters):
             r = await self._post(kind, sent)
         if r.status_code != 200:
@@ -72,8 +77,7 @@ class UpstreamBackend(Backend):
         model, adapters, sent = self._route(body)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        target = sent["model"]
-        old, new = f'"model":{json.dumps(target)}', f'"model":{json.dumps(model)}'
+        relabel = sent["model"] != model
         with await self.hold(adapters):
             try:
                 r = await self.client.send(self.client.build_request("POST", PATHS[kind], json=sent), stream=True)
@@ -84,18 +88,29 @@ class UpstreamBackend(Backend):
                     await r.aread()
                     raise self._upstream_error(r)
                 async for line in r.aiter_lines():
-                    if line.startswith("data: {") and '"usage":{' in line:
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage") and not chunk.get("choices"):  # the final usage chunk
-                            usage.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
-                            usage.completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                            if not wants_usage:
-                                continue
-                    if target != model and line.startswith("data: "):
-                        line = line.replace(old, new, 1)
+                    if line.startswith("data: {") and (relabel or '"usage"' in line):
+                        chunk = self._relabel(json.loads(line[6:]), model, usage, wants_usage)
+                        if chunk is None:
+                            continue
+                        line = "data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
                     yield (line + "\n").encode()
             finally:
                 await r.aclose()
+
+    @staticmethod
+    def _relabel(chunk: dict, model: str, usage: Usage, wants_usage: bool) -> dict | None:
+        """A streamed chunk as the client gets it: the model it asked for, the usage counted wherever the child
+        puts it (vLLM: a chunk of its own; TabbyAPI: beside the last choice), and dropped unless asked for."""
+        if chunk.get("usage"):
+            usage.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
+            usage.completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+            if not wants_usage:
+                if not chunk.get("choices"):
+                    return None
+                chunk.pop("usage")
+        if "model" in chunk:
+            chunk["model"] = model
+        return chunk
 
     async def _post(self, kind: Kind, body: dict) -> httpx.Response:
         try:

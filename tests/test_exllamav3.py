@@ -109,3 +109,40 @@ eval: {{tokens: 32}}
     assert not (tmp_path / "out" / "artifacts" / "exl3").exists()
     code, _, err = cli("release", recipe.parent / "nope.yaml")
     assert code == 2
+
+
+def test_streamed_chunks_are_relabelled_whatever_the_childs_json_spacing():
+    """TabbyAPI writes `"model": "x"` and `"usage": {` with spaces, and its usage rides on the last choice's
+    chunk; vLLM writes compact JSON with a usage chunk of its own."""
+    from tuneport.serve.contract import Usage
+    from tuneport.serve.upstream import UpstreamBackend
+
+    usage = Usage()
+    tabby = json.loads('{"id": "c1", "model": "tiny-exl3", "choices": [{"index": 0, "finish_reason": "stop", '
+                       '"delta": {}}], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}')
+    out = UpstreamBackend._relabel(tabby, "chat", usage, wants_usage=False)
+    assert out["model"] == "chat" and "usage" not in out and out["choices"][0]["finish_reason"] == "stop"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (7, 3)
+    vllm = {"id": "c2", "model": "guard", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+    assert UpstreamBackend._relabel(dict(vllm), "base", usage, wants_usage=False) is None
+    assert UpstreamBackend._relabel(dict(vllm), "base", usage, wants_usage=True)["model"] == "base"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (5, 2)
+
+
+def test_tabby_child_gets_no_tabby_environment(tmp_path, monkeypatch):
+    """TabbyAPI's TABBY_* variables override its config file: the child starts without them."""
+    import sys
+    import time
+
+    from tuneport.serve.engines.child import ChildServer
+
+    monkeypatch.setenv("TABBY_NETWORK_PORT", "1")
+    monkeypatch.setenv("TUNEPORT_KEEP", "yes")
+    code = "import os; print(os.environ.get('TABBY_NETWORK_PORT'), os.environ.get('TUNEPORT_KEEP'))"
+    child = ChildServer("TabbyAPI", [sys.executable, "-c", code], "http://127.0.0.1:1", tmp_path / "log",
+                        unset_env_prefix="TABBY_")
+    deadline = time.monotonic() + 30
+    while child.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.stop()
+    assert (tmp_path / "log").read_text().strip() == "None yes"

@@ -15,8 +15,8 @@ from functools import cache
 
 import torch
 
-CODEBOOKS = ("3inst", "mcg", "mul1")  # exllamav3's --codebook names
-MARKERS = {"mcg": "mcg", "mul1": "mul1"}  # codebook -> the marker tensor's suffix (3inst has none)
+from . import CODEBOOKS
+
 MULTIPLIERS = {"3inst": 89226354, "mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
 INST3_ADD = 64248484
 INST_MASK, INST_XOR = 0x8FFF8FFF, 0x3B603B60
@@ -56,7 +56,7 @@ def lookup_table(codebook: str) -> torch.Tensor:
 def codebook_of(tensor_names: set[str] | list[str], key: str) -> str:
     """The codebook of the linear ``key`` from the marker tensors stored beside it."""
     names = set(tensor_names)
-    for codebook in ("mcg", "mul1"):  # exllamav3's kernels look for mcg first
-        if f"{key}.{MARKERS[codebook]}" in names:
+    for codebook in ("mcg", "mul1"):  # the marker tensor is named after its codebook; kernels look for mcg first
+        if f"{key}.{codebook}" in names:
             return codebook
     return "3inst"

@@ -1,12 +1,13 @@
 """exllamav3's converter, driven from tuneport: what it needs, its exact command line, resuming, progress.
 
-Facts (exllamav3 1.4): ``convert.py`` is a thin script over ``exllamav3.conversion.convert_model``'s ``parser``,
-``prepare`` and ``main`` (no console script, no ``__main__``), so tuneport runs the same three calls with the
-installed package. Flags: ``-i`` an unquantized HF directory, ``-o`` output, ``-w`` work directory (its job
-state and finished tensors), ``-b`` average bits (1..8), ``-hb`` head bits (1..8, or 16 for fp16),
-``-cb mul1|mcg|3inst`` (its default mul1; 1.6 adds half-integer bitrates 1.5/2.5/3.5 with mul1, which its
-bit allocation uses below 4 bits), ``-r`` resume the job in ``-w`` (settings restored from its
-args.json). It needs a CUDA GPU: its quantizer and packer are CUDA kernels, compiled at import.
+Facts (exllamav3 1.4-1.6): ``convert.py`` is a thin script over ``exllamav3.conversion.convert_model``'s
+``parser``, ``prepare`` and ``main`` (no console script; 1.6's ``__main__`` exits 0 after a refusal), so tuneport
+runs the same three calls with the installed package. Flags: ``-i`` an unquantized HF directory, ``-o`` output,
+``-w`` work directory (its job state and finished tensors), ``-b`` average bits (1..8), ``-hb`` head bits (1..8,
+or 16 for fp16), ``-cb mul1|mcg|3inst`` (default mul1; 1.6 adds half-integer bitrates 1.5/2.5/3.5 with mul1,
+which its bit allocation uses below 4 bits), ``-r`` resume the job in ``-w`` (settings restored from its
+args.json, some overridable by the flags given). It needs a CUDA GPU: its quantizer and packer are CUDA kernels,
+compiled at import.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from .codebook import CODEBOOKS
+from . import CODEBOOKS, HALF_RATES
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ DEFAULT_BITS = 4.0
 DEFAULT_HEAD_BITS = 6
 DEFAULT_CODEBOOK = "mul1"  # exllamav3's own default since 1.4
 HEAD_BITS = (*range(1, 9), 16)
-HALF_RATES = (1.5, 2.5, 3.5)  # exllamav3 1.6: half-integer bitrates, with the mul1 codebook only
 INSTALL_HINT = ("on an NVIDIA GPU host: pip install exllamav3 (its extension compiles with nvcc at first import), "
                 "then run the same export there; or --dry-run to print the plan here")
 CONVERTER_SNIPPET = (
@@ -42,7 +42,8 @@ CONVERTER_SNIPPET = (
     "    sys.exit(2)\n"
     "main(in_args, job_state)\n"
 )
-QUANTIZED_LINE = re.compile(r"^ -- Quantized: (\S+)\s+bpw:\s*([\d.]+)")  # 1.4: "bpw:  4", 1.6: "bpw:  4.00"
+# one line per linear (1.4: "bpw:  4", 1.6: "bpw:  4.00"), then one per module without proxy_err / rmse
+QUANTIZED_LINE = re.compile(r"^ -- Quantized: (\S+)\s+bpw:\s*[\d.]+\s+(?:proxy_err|rmse)")
 ERROR_LINE = re.compile(r"^ !! Error: (.*)")  # prepare()'s refusals; " !! Warning..." lines are not errors
 
 
@@ -98,11 +99,12 @@ class ConverterRun:
     resume: bool = False
 
     def argv(self, python: str = sys.executable) -> list[str]:
-        """The exact command: a fresh job with every setting, or ``-r`` (settings come from the job's args.json)."""
-        flags = ["-w", str(self.work_dir), "-r"] if self.resume else [
-            "-i", str(self.in_dir), "-o", str(self.out_dir), "-w", str(self.work_dir), "-b", f"{self.bits:g}",
-            "-hb", f"{self.head_bits:g}", "-cb", self.codebook]
-        return [python, "-c", CONVERTER_SNIPPET, *flags]
+        """The exact command: every setting, plus ``-r`` to resume the job in ``-w``. The settings are given on a
+        resume too: they equal the job's own, and ``-cb`` left out would switch a resumed job to the parser's
+        default codebook (exllamav3 lets a resume override it)."""
+        flags = ["-i", str(self.in_dir), "-o", str(self.out_dir), "-w", str(self.work_dir), "-b", f"{self.bits:g}",
+                 "-hb", f"{self.head_bits:g}", "-cb", self.codebook]
+        return [python, "-c", CONVERTER_SNIPPET, *flags, *(["-r"] if self.resume else [])]
 
     def display(self) -> str:
         """The command as a user would type it with a checkout of exllamav3 (same flags, its convert.py)."""

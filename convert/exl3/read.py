@@ -10,7 +10,9 @@ vocabulary too: slice logits to ``vocab_size``). Embeddings, norms and linears l
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,15 @@ from .trellis import TILE, Bits, bits_from_width, decode
 
 QUANT_METHOD = "exl3"
 TRELLIS, SUH, SVH = "trellis", "suh", "svh"
+LEGACY_SIGNS = ("su", "sv")  # exllamav3's first layout: packed sign bits instead of fp16 scale vectors
+DECODE_ROWS = 1024  # input rows decoded at a time (a multiple of 128: the rotations work on 128-row blocks)
+# Linears exllamav3 stores split where the HF checkpoint keeps them fused (its architecture files slice the
+# fused weight by output rows): fused module -> [(part, config keys whose product is the part's rows)]
+FUSED_PARTS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "qkv_proj": (("q_proj", ("num_attention_heads", "head_dim")), ("k_proj", ("num_key_value_heads", "head_dim")),
+                 ("v_proj", ("num_key_value_heads", "head_dim"))),
+    "gate_up_proj": (("gate_proj", ("intermediate_size",)), ("up_proj", ("intermediate_size",))),
+}
 
 
 def is_exl3(config: dict) -> bool:
@@ -38,11 +49,12 @@ class Exl3Linear:
     codebook: str
     in_features: int  # as stored (padded to 128)
     out_features: int
-    bias: bool
 
 
 class Exl3Model:
-    """An EXL3 directory: its quantization settings and its linears, each decoded on demand."""
+    """An EXL3 directory: its quantization settings and its linears, each decoded on demand. Trellis tables that
+    are not linears (exllamav3 1.6's quantized embeddings and n-gram tables: no suh/svh) are listed in
+    ``other_tables`` and not decoded."""
 
     def __init__(self, path: str | Path) -> None:
         self.ckpt = Checkpoint(path)
@@ -53,32 +65,46 @@ class Exl3Model:
         self.quantization: dict = self.ckpt.config["quantization_config"]
         names = set(self.ckpt.names())
         self.linears: dict[str, Exl3Linear] = {}
-        for name in sorted(names):
-            if not name.endswith(f".{TRELLIS}"):
-                continue
+        self.other_tables: list[str] = []
+        for name in sorted(n for n in names if n.endswith(f".{TRELLIS}")):
             key = name[: -len(TRELLIS) - 1]
-            shape = self.ckpt.meta(name).shape
-            for part in (SUH, SVH):
-                if f"{key}.{part}" not in names:
-                    raise UserError(f"{self.path}: {key} has a trellis but no {part}",
-                                    "the EXL3 directory is incomplete: convert it again")
-            if len(shape) != 3:
-                raise UserError(f"{self.path}: {name} has shape {list(shape)}, not [in/16, out/16, 16*K]",
-                                "the EXL3 directory is corrupt: convert it again")
-            try:
-                k = bits_from_width(shape[-1])
-            except ValueError as e:
-                raise UserError(f"{self.path}: {name}: {e}",
-                                "the EXL3 directory is corrupt: convert it again") from None
-            self.linears[key] = Exl3Linear(key, k, codebook_of(names, key), shape[0] * TILE, shape[1] * TILE,
-                                           f"{key}.bias" in names)
+            if f"{key}.{SUH}" not in names or f"{key}.{SVH}" not in names:
+                if all(f"{key}.{part}" in names for part in LEGACY_SIGNS):
+                    raise UserError(f"{self.path}: {key} uses exllamav3's early layout (packed su/sv signs), "
+                                    "which tuneport does not decode", "convert the model again with exllamav3 1.4+")
+                self.other_tables.append(key)
+                continue
+            self.linears[key] = self._linear(key, name, names)
+
+    def _linear(self, key: str, name: str, names: set[str]) -> Exl3Linear:
+        shape = self.ckpt.meta(name).shape
+        if len(shape) != 3:
+            raise UserError(f"{self.path}: {name} has shape {list(shape)}, not [in/16, out/16, 16*K]",
+                            "the EXL3 directory is corrupt: convert it again")
+        try:
+            k = bits_from_width(shape[-1])
+        except ValueError as e:
+            raise UserError(f"{self.path}: {name}: {e}", "the EXL3 directory is corrupt: convert it again") from None
+        codebook = codebook_of(names, key)
+        if not float(k).is_integer() and codebook != "mul1":
+            raise UserError(f"{self.path}: {key} has {k} bits per weight with the {codebook} codebook (exllamav3 "
+                            "writes half-integer bitrates with mul1 only)", "the EXL3 directory is corrupt")
+        return Exl3Linear(key, k, codebook, shape[0] * TILE, shape[1] * TILE)
+
+    def weight_rows(self, key: str, rows: int = DECODE_ROWS) -> Iterator[tuple[int, torch.Tensor]]:
+        """exllamav3's weight [in, out] (fp32) of linear ``key``, ``rows`` input rows at a time: (first row, rows
+        × out). Memory stays a few times one block, whatever the layer's size (a 128k-row head included)."""
+        lin = self.linears[key]
+        trellis = self.ckpt.read(f"{key}.{TRELLIS}")
+        suh, svh = self.ckpt.read(f"{key}.{SUH}"), self.ckpt.read(f"{key}.{SVH}")
+        step = rows // TILE
+        for t in range(0, trellis.shape[0], step):
+            r = t * TILE
+            yield r, reconstruct(decode(trellis[t: t + step], lin.codebook), suh[r: r + rows], svh)
 
     def weight(self, key: str) -> torch.Tensor:
         """The linear's weight as ``nn.Linear`` holds it, [out, in] fp32 (padded dims kept)."""
-        lin = self.linears[key]
-        trellis = self.ckpt.read(f"{key}.{TRELLIS}")
-        w = reconstruct(decode(trellis, lin.codebook), self.ckpt.read(f"{key}.{SUH}"), self.ckpt.read(f"{key}.{SVH}"))
-        return w.T.contiguous()
+        return torch.cat([w for _, w in self.weight_rows(key)]).T.contiguous()
 
     def layer_bits(self) -> dict[str, Counter]:
         """Per decoder layer (or top-level module): how many linears have each (K, codebook)."""
@@ -101,22 +127,46 @@ class Exl3Model:
             "codebook": q.get("codebook"), "quantized_linears": len(self.linears),
             "codebooks": sorted({lin.codebook for lin in self.linears.values()}),
             "average_bits": round(sum(self.linears[k].bits * n for k, n in weights.items()) / total, 3),
-            "layers": layers,
+            "layers": layers, "other_tables": self.other_tables,
         }
+
+
+def reference_rows(reference: Checkpoint, key: str, tied_head: str | None) -> torch.Tensor | None:
+    """The unquantized weight [out, in] exllamav3 quantized as ``key``: the tensor of that name, the tied
+    embedding for a head the checkpoint does not store, or the part's rows of a fused linear it split."""
+    if f"{key}.weight" in reference:
+        return reference.read(f"{key}.weight")
+    if key == "lm_head" and tied_head and tied_head in reference:
+        return reference.read(tied_head)
+    parent, _, part = key.rpartition(".")
+    for fused, parts in FUSED_PARTS.items():
+        names = [p for p, _ in parts]
+        if part in names and f"{parent}.{fused}.weight" in reference:
+            cfg = reference.config
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            sizes = [math.prod({**cfg, "head_dim": head_dim}[k] for k in keys) for _, keys in parts]
+            start = sum(sizes[: names.index(part)])
+            return reference.read(f"{parent}.{fused}.weight")[start: start + sizes[names.index(part)]]
+    return None
 
 
 def relative_errors(model: Exl3Model, reference: Checkpoint, tied_head: str | None = None) -> dict[str, float]:
     """Per quantized linear: ||decoded - reference|| / ||reference|| against the unquantized weights it was
-    converted from (the decoded weight cut to the reference's shape: EXL3 pads to 128). ``tied_head``: the
-    embedding the head was quantized from when the reference has no ``lm_head.weight``."""
+    converted from (the decoded weight cut to the reference's shape: EXL3 pads to 128), one block of rows at a
+    time. A linear with no reference is refused: a check that skips layers proves nothing."""
     out = {}
     for key in model.linears:
-        name = f"{key}.weight"
-        if name not in reference and key == "lm_head" and tied_head:
-            name = tied_head
-        if name not in reference:
-            continue
-        ref = reference.read(name).float()
-        got = model.weight(key)[: ref.shape[0], : ref.shape[1]]
-        out[key] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        ref = reference_rows(reference, key, tied_head)
+        if ref is None:
+            raise UserError(f"{model.path}: no unquantized weight for {key} in {reference.path}",
+                            "compare against the directory the EXL3 was converted from")
+        ref_t = ref.float().T  # [in, out]
+        err = norm = 0.0
+        for r, w in model.weight_rows(key):
+            part = ref_t[r: r + w.shape[0]]
+            if part.shape[0] == 0:
+                break
+            err += float((w[: part.shape[0], : part.shape[1]] - part).pow(2).sum())
+            norm += float(part.pow(2).sum())
+        out[key] = (err / max(norm, 1e-30)) ** 0.5
     return out

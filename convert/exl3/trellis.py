@@ -20,13 +20,14 @@ from functools import cache
 
 import torch
 
+from . import HALF_RATES
 from .codebook import lookup_table
 
 TILE = 16
 POSITIONS = TILE * TILE
 K_RANGE = range(1, 9)
 HALF_MASK = 0xAAAA  # half-integer K = KA + 0.5: positions with an odd index in each 16 take KA + 1 bits
-Bits = int | float  # K: 1..8, or a half-integer 1.5..7.5 (exllamav3 1.6 writes 1.5, 2.5, 3.5 with mul1)
+Bits = int | float  # K: 1..8, or one of HALF_RATES
 
 
 @cache
@@ -44,9 +45,9 @@ def bits_from_width(width: int) -> Bits:
     k = width / TILE
     if k.is_integer() and int(k) in K_RANGE:
         return int(k)
-    if (k - 0.5).is_integer() and int(k) in range(1, 8):
+    if k in HALF_RATES:
         return k
-    raise ValueError(f"a trellis row holds 16*K int16 values for K in 1..8 (or a half-integer), not {width}")
+    raise ValueError(f"a trellis row holds 16*K int16 values for K in 1..8, 1.5, 2.5 or 3.5, not {width}")
 
 
 def bits_of(trellis: torch.Tensor) -> Bits:
@@ -56,10 +57,10 @@ def bits_of(trellis: torch.Tensor) -> Bits:
 
 @cache
 def _layout(k: Bits) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bits each position adds, D, and the stream bit where each position's window ends, S = cumsum D)."""
-    base = int(k)
-    extra = (HALF_MASK >> (torch.arange(POSITIONS) % TILE)) & 1
-    step = base + (extra if k != base else 0 * extra)
+    """(D, the bits each position adds; S = cumsum D, the stream bit where each position's window ends)."""
+    step = torch.full((POSITIONS,), int(k), dtype=torch.long)
+    if k != int(k):
+        step += (HALF_MASK >> (torch.arange(POSITIONS) % TILE)) & 1
     return step, torch.cumsum(step, 0)
 
 

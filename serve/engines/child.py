@@ -36,11 +36,12 @@ class ChildServer:
     """One engine server started from ``command`` (in ``cwd``), answering on ``url``, logging to ``log_path``."""
 
     def __init__(self, label: str, command: list[str], url: str, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, unset_env_prefix: str | None = None) -> None:
         self.label, self.url, self.log_path = label, url, Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        self.proc = subprocess.Popen(command, env={**os.environ, **(env or {})}, cwd=cwd, stdout=self._log,
+        inherited = {k: v for k, v in os.environ.items() if not (unset_env_prefix and k.startswith(unset_env_prefix))}
+        self.proc = subprocess.Popen(command, env={**inherited, **(env or {})}, cwd=cwd, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         atexit.register(self.stop)

@@ -29,6 +29,9 @@ def prepare(args):
             return None, None, False, "Cannot resume: no job in work_dir"
         print(" -- Resuming existing job", flush=True)
         in_args = json.loads((work / "args.json").read_text())
+        if args.codebook != in_args["codebook"]:  # as exllamav3: the codebook may be overridden on resume, and
+            print(f" !! Warning: Overriding codebook from existing job, was: {in_args['codebook']}")  # -cb defaults
+            in_args["codebook"] = args.codebook  # to mul1, so a resume must pass it
     else:
         if args.bits is None or not 1 <= args.bits <= 8:
             return None, None, False, "--bits must be between 1 and 8"
