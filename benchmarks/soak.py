@@ -128,22 +128,12 @@ def references(setup: Setup, prompts: list[list[int]]) -> dict[tuple[str | None,
     names: list[str | None] = [None, *setup.peft]
     out: dict[tuple[str | None, int], list[int]] = {}
     if setup.engine == "llamacpp":
-        from tuneport.toolkit.fidelity import llamacpp_model
+        from tuneport.toolkit.fidelity import llamacpp_greedy
 
         for name in names:
-            for i, p in enumerate(prompts):  # one fresh llama.cpp per answer, as tests' fresh_greedy
-                llm = llamacpp_model(setup.base, setup.gguf[name] if name else None, n_ctx=256)
-                try:
-                    llm.reset()
-                    llm.eval(p)
-                    toks = []
-                    for _ in range(N_TOKENS):
-                        tok = int(llm.scores[llm.n_tokens - 1].argmax())
-                        toks.append(tok)
-                        llm.eval([tok])
-                    out[(name, i)] = toks
-                finally:
-                    llm.close()
+            for i, p in enumerate(prompts):  # one fresh llama.cpp per answer
+                out[(name, i)] = llamacpp_greedy(setup.base, setup.gguf[name] if name else None, p, N_TOKENS,
+                                                 n_ctx=256)
         return out
     from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
 

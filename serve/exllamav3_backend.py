@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tuneport.convert.checkpoint import resolve_model_path
 from tuneport.convert.errors import UserError
+from tuneport.convert.exl3.converter import requirements
 from tuneport.convert.exl3.tabby import LAUNCH, tabby_config, write_tabby_config
 from tuneport.convert.io import cache_dir
 from tuneport.convert.options import model_name
@@ -43,14 +44,12 @@ def engine_port(opts) -> int:
 
 def check_tabby(opts) -> Path:
     """The TabbyAPI checkout to run, and a CUDA GPU to run it on; refused with the reason otherwise."""
-    import torch
-
     if opts.tabby_dir is None:
         raise UserError("--engine exllamav3 runs TabbyAPI, which tuneport does not ship (AGPL)", TABBY_HINT)
     tabby = Path(opts.tabby_dir).expanduser()
     if not (tabby / "main.py").is_file():
         raise UserError(f"--tabby-dir {tabby} is not a TabbyAPI checkout (no main.py)", TABBY_HINT)
-    if not torch.cuda.is_available():
+    if not requirements().cuda:
         raise UserError("ExLlamaV3 needs a CUDA GPU and this machine has none",
                         "serve a GGUF export with --engine llamacpp here, or run this on an NVIDIA GPU host")
     return tabby

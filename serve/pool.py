@@ -24,9 +24,8 @@ from pathlib import Path
 from .errors import ApiError
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
 log = logging.getLogger(__name__)
+
 
 class PoolError(ApiError):
     """A pool request that cannot be served; ``status`` is the HTTP status a gateway should answer."""

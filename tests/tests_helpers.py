@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from tuneport.serve.engines.vllm import free_port
-from tuneport.toolkit.fidelity import llamacpp_model
+from tuneport.toolkit.fidelity import llamacpp_greedy
 
 __all__ = ["Running", "free_port", "fresh_greedy", "run_threads"]
 
@@ -44,15 +44,4 @@ def run_threads(target: Callable, args: Iterable[tuple], timeout: float | None =
 
 def fresh_greedy(model, lora, prompt, n):
     """``n`` greedy tokens from a fresh llama.cpp instance holding only ``lora`` (or no adapter)."""
-    llm = llamacpp_model(model, lora)
-    try:
-        llm.reset()
-        llm.eval(prompt)
-        out = []
-        for _ in range(n):
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
-            out.append(tok)
-            llm.eval([tok])
-        return out
-    finally:
-        llm.close()
+    return llamacpp_greedy(model, lora, prompt, n)

@@ -80,6 +80,24 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
+def llamacpp_greedy(path: Path | str, lora: Path | str | None, prompt: list[int], n: int,
+                    n_ctx: int = 128) -> list[int]:
+    """``n`` greedy tokens for ``prompt`` from a fresh llama.cpp holding only ``lora`` (or no adapter): the
+    reference a served answer is held to."""
+    llm = llamacpp_model(path, lora, n_ctx=n_ctx)
+    try:
+        llm.reset()
+        llm.eval(prompt)
+        out = []
+        for _ in range(n):
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            out.append(tok)
+            llm.eval([tok])
+        return out
+    finally:
+        llm.close()
+
+
 def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int = 128):
     """llama.cpp (llama-cpp-python) set up for parity runs: F32 KV cache, flash attention off,
     logits for every position. Close it with ``.close()``."""

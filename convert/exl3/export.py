@@ -154,16 +154,15 @@ def export_exl3(opts: ExportOptions, progress: Progress | None = None) -> Export
     merged = Checkpoint(work / MERGED)
     run_converter(run, quantized_linear_count(merged), progress)
     report = decode_check(Exl3Model(work / CONVERTED), merged)
-    publish(opts, work / CONVERTED, merged, run, input_entries(ckpt, loaded), report,
-            {"bits": bits, "head_bits": head_bits, "codebook": codebook, "merged_dtype": merged_dtype(opts)})
+    manifest = publish(opts, work / CONVERTED, merged, run, input_entries(ckpt, loaded), report,
+                       {"bits": bits, "head_bits": head_bits, "codebook": codebook, "merged_dtype": merged_dtype(opts)})
     shutil.rmtree(work, ignore_errors=True)
     notes = [f"decoded {len(report['layers'])} quantized layers: worst relative error {report['worst']:.4f} "
              f"({report['worst_layer']})"]
     if report["above_expected"]:
         notes.append(f"{len(report['above_expected'])} layers above the expected error for their bits (4*2^-K), "
                      f"e.g. {report['above_expected'][0]}: see decode_check in manifest.json")
-    return ExportResult(Path(opts.out), "exl3", manifest_of(opts.out), notes=notes,
-                        details={"decode_check": report})
+    return ExportResult(Path(opts.out), "exl3", manifest, notes=notes, details={"decode_check": report})
 
 
 def quantized_linear_count(merged: Checkpoint) -> int:
@@ -175,7 +174,7 @@ def quantized_linear_count(merged: Checkpoint) -> int:
 
 
 def publish(opts: ExportOptions, converted: Path, merged: Checkpoint, run: ConverterRun, inputs: list[dict],
-            report: dict, options: dict) -> None:
+            report: dict, options: dict) -> dict:
     """The converter's output, TabbyAPI's config and manifest.json at ``opts.out``, atomically. The converter's
     files are linked (copied across file systems), not moved: if publishing fails they are still in the work
     directory, and a rerun publishes them without converting again."""
@@ -188,11 +187,9 @@ def publish(opts: ExportOptions, converted: Path, merged: Checkpoint, run: Conve
         # TabbyAPI serves it as it is: python main.py --config OUT/tabby-config.yml (in a TabbyAPI checkout)
         write_tabby_config(tmp / CONFIG_NAME, tabby_config(Path(opts.out).absolute(),
                                                           default_max_seq_len(merged.config)))
-        write_manifest(tmp, "exl3", inputs, {**options, "converter": run.display()}, extra={"decode_check": report})
-
-
-def manifest_of(out: Path) -> dict:
-    return json.loads((Path(out) / "manifest.json").read_text())
+        manifest = write_manifest(tmp, "exl3", inputs, {**options, "converter": run.display()},
+                                  extra={"decode_check": report})
+    return manifest
 
 
 def decode_check(model: Exl3Model, merged: Checkpoint) -> dict:
