@@ -111,6 +111,22 @@ def test_admin_load_list_unload_and_404(gw):
     assert r.status_code == 404 and "style" in r.json()["error"]["message"]
 
 
+def test_admin_load_can_pin(gw):
+    """``"pinned": true`` keeps a runtime-loaded adapter out of eviction until it is unloaded."""
+    c = gw.client()
+    r = c.post("/v1/adapters", json={"name": "kept", "path": str(gw.adapter_dir / "rslora"), "pinned": True})
+    assert r.status_code == 201 and r.json()["pinned"] is True, r.text
+    assert c.post("/v1/adapters", json={"name": "x", "path": str(gw.adapter_dir / "rslora"),
+                                        "pinned": "yes"}).status_code == 400
+    pool = gw.server.backend.pool
+    assert complete(c, "ondemand").status_code == 200 and len(pool.states()) == pool.max_adapters
+    r = c.post("/v1/adapters", json={"name": "other", "path": str(gw.adapter_dir / "rslora")})
+    assert r.status_code == 201, r.text  # room made by evicting the unpinned on-demand adapter, not "kept"
+    assert "kept" in pool and "ondemand" not in pool
+    for name in ("other", "kept"):
+        assert c.delete(f"/v1/adapters/{name}").status_code == 200 and name not in pool
+
+
 def test_on_demand_load_from_adapter_dir(gw):
     c = gw.client()
     assert "ondemand" not in gw.server.backend.pool

@@ -20,7 +20,10 @@ def admin_router(backend: Backend) -> APIRouter:
     async def load(body: dict):
         if not isinstance(body.get("name"), str) or not isinstance(body.get("path"), str):
             raise ApiError("body needs 'name' and 'path' strings")
-        return await run_in_threadpool(backend.load_adapter, body["name"], body["path"])
+        pinned = body.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise ApiError("'pinned' must be true or false")
+        return await run_in_threadpool(backend.load_adapter, body["name"], body["path"], pinned)
 
     @router.delete("/v1/adapters/{name}")
     async def unload(name: str):
