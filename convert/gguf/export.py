@@ -109,6 +109,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             path = (tmp if q in quants else scratch) / f"{name}-{q.label}.gguf"
             files[q.name] = path
             targets.append((path, plan_gguf_model(arch, plan.config, shapes, q.direct), q.ftype))
+        notes = [*plan.notes, *targets[0][1].facts.notes]
         hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name=name, progress=progress)
         for q in via_llamacpp:
             files[q.name] = tmp / f"{name}-{q.label}.gguf"
@@ -147,5 +148,5 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
             "calib": str(opts.calib) if opts.calib else None, "calib_samples": opts.calib_samples,
-            "calib_seqlen": opts.calib_seqlen, "notes": plan.notes}, extra={**details, "warnings": warnings})
-    return ExportResult(out, "gguf", manifest, notes=plan.notes, warnings=warnings, details=details)
+            "calib_seqlen": opts.calib_seqlen, "notes": notes}, extra={**details, "warnings": warnings})
+    return ExportResult(out, "gguf", manifest, notes=notes, warnings=warnings, details=details)

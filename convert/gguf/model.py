@@ -15,6 +15,7 @@ import torch
 
 from ..arch import ArchSpec
 from ..errors import UserError
+from .config_keys import GGUFConfigFacts, gguf_config_facts
 from .vocab import GGUFVocab
 
 Progress = Callable[[int, int, str], None]
@@ -143,6 +144,7 @@ class GGUFModelPlan:
     config: dict
     tensors: list[TensorPlan] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # generated tensors (rope_freqs)
+    facts: GGUFConfigFacts = field(default_factory=GGUFConfigFacts)  # the config audit's decisions
 
 
 def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[int, ...]]],
@@ -153,10 +155,11 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     garch = gguf_arch_for(arch)
     n_layers = int(config["num_hidden_layers"])
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], n_layers)
-    plan = GGUFModelPlan(arch, garch, config)
+    plan = GGUFModelPlan(arch, garch, config, facts=gguf_config_facts(arch.model_type, config))
+    tied = config.get("tie_word_embeddings") is True
     for name, shape in shapes:
-        if name.endswith(DROPPED_SUFFIXES):
-            continue
+        if name.endswith(DROPPED_SUFFIXES) or (tied and name == f"{arch.lm_head}.weight"):
+            continue  # a tied model's stored lm_head is not what transformers computes with
         gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
@@ -171,7 +174,10 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         if (heads := qk_heads(arch, config, name.rsplit(".", 1)[0])) is not None:
             transform = lambda t, h=heads: permute_qk(t, h)  # noqa: E731
         elif garch.norm_offset and name.endswith("norm.weight"):
-            transform = lambda t, o=garch.norm_offset: t.float() + o  # noqa: E731
+            scale = plan.facts.q_norm_factor if name.endswith("q_norm.weight") else None
+            transform = lambda t, o=garch.norm_offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
+        elif plan.facts.q_norm_factor and name.endswith("q_norm.weight"):
+            transform = lambda t, s=plan.facts.q_norm_factor: t.float() * s  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
     if rp["rope_type"] == "llama3":
@@ -192,6 +198,8 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
     writer.add_uint32(f"{arch}.block_count", int(cfg["num_hidden_layers"]))
     for suffix, keys, kind in garch.hparams:
         value = _cfg(cfg, keys)
+        if suffix == "context_length" and plan.facts.context_length:
+            value = plan.facts.context_length
         if value is None:
             continue
         (writer.add_uint32 if kind == "u32" else writer.add_float32)(f"{arch}.{suffix}", value)

@@ -26,9 +26,10 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "mistral": TinyArch("mistral", "MistralConfig", "sentencepiece", (("sliding_window", None),)),
     "qwen2": TinyArch("qwen2", "Qwen2Config", "bpe", (("use_sliding_window", False),)),
     "qwen3": TinyArch("qwen3", "Qwen3Config", "bpe", (("use_sliding_window", False), ("head_dim", 32))),
-    # llama.cpp hard-codes Gemma's query scale to 1/sqrt(head_dim): query_pre_attn_scalar must match.
+    # query_pre_attn_scalar stays at transformers' 256 (head size 32), as in real checkpoints: every
+    # target must honour it (the GGUF export folds it into attn_q_norm).
     "gemma3_text": TinyArch("gemma3_text", "Gemma3TextConfig", "sentencepiece",
-                            (("head_dim", 32), ("query_pre_attn_scalar", 32), ("sliding_window", 64))),
+                            (("head_dim", 32), ("sliding_window", 64))),
     "phi3": TinyArch("phi3", "Phi3Config", "sentencepiece", (("sliding_window", None),)),
 }
 

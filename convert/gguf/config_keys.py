@@ -1,0 +1,157 @@
+"""What llama.cpp does with each ``config.json`` key, per architecture: carried into the GGUF's metadata,
+folded into the weights, capped, or refused with the reason (the audit's rules; ``convert/config_audit.py``).
+
+Facts from llama.cpp's model loader (vendored in llama-cpp-python 0.3.36):
+- the llama graph (which runs Mistral), qwen2/qwen3 and phi3 run no sliding window (phi3: a window of 8 or 9
+  gave the same logits, measured): a window shorter than the
+  context becomes the GGUF's ``context_length`` (outputs agree up to it; llama.cpp warns past it);
+- Gemma 3 scales queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) at 62 layers, its 27B) and marks every
+  6th layer global: ``query_pre_attn_scalar`` is folded into ``attn_q_norm`` (exact: the norm's output only
+  goes through RoPE, a rotation, before the scale) and other layer patterns are refused;
+- RoPE: default, linear and yarn are carried, llama3 (a ``rope_freqs`` tensor) for the llama graph only
+  (qwen2 does not load the tensor); dynamic NTK, longrope and the others are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config_audit import KeyRule, audit, must_be
+
+ROPE_TYPES = ("default", "linear", "yarn")  # llama3's rope_freqs tensor: only the llama graph loads it
+
+
+def rope_check(*types: str):
+    """RoPE settings llama.cpp is given for an architecture: these types, refused otherwise."""
+    def check(value, cfg: dict) -> str | None:
+        if not isinstance(value, dict):
+            return None
+        layers = [value[k] for k in ("full_attention", "sliding_attention") if isinstance(value.get(k), dict)]
+        for p in layers or [value]:
+            kind = p.get("rope_type", p.get("type", "default"))
+            if kind not in types:
+                return f"RoPE types llama.cpp runs for {cfg.get('model_type')}: {', '.join(types)}, not {kind!r}"
+        return None
+    return check
+
+
+def _window_active(cfg: dict) -> bool:
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        return False
+    return bool(window) and int(window) < int(cfg.get("max_position_embeddings") or 0)
+
+
+SHAPES = {k: KeyRule("carried", f"{k} from the tensors' shapes and the GGUF hyperparameters") for k in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim")}
+COMMON: dict[str, KeyRule] = {
+    **SHAPES,
+    "rms_norm_eps": KeyRule("carried", "attention.layer_norm_rms_epsilon"),
+    "max_position_embeddings": KeyRule("carried", "context_length"),
+    "tie_word_embeddings": KeyRule("carried", "no output.weight when tied: llama.cpp reuses token_embd"),
+    "rope_theta": KeyRule("carried", "rope.freq_base"),
+    "rope_parameters": KeyRule("carried", "rope.freq_base and rope.scaling.* (linear, yarn)",
+                               rope_check(*ROPE_TYPES)),
+    "rope_scaling": KeyRule("carried", "as rope_parameters", rope_check(*ROPE_TYPES)),
+    "hidden_act": KeyRule("refused unless", "silu (llama.cpp's SwiGLU)",
+                          must_be("silu", why="llama.cpp's graph for it uses SiLU")),
+    "quantization_config": KeyRule("inert", "quantized inputs are refused before the audit"),
+    "pretraining_tp": KeyRule("inert", "transformers 5 computes the same for every value"),
+}
+NO_SLIDING_GRAPH = {
+    "sliding_window": KeyRule("capped", "llama.cpp runs no sliding window here: a window shorter than the context "
+                              "becomes context_length"),
+    "use_sliding_window": KeyRule("capped", "as sliding_window"),
+    "max_window_layers": KeyRule("inert", "with use_sliding_window the cap applies to every layer"),
+    "layer_types": KeyRule("capped", "sliding layers equal full ones up to the capped context_length",
+                           lambda v, cfg: None if all(t in ("full_attention", "sliding_attention") for t in v)
+                           else f"layer types {sorted(set(v))}"),
+}
+BIASES = {
+    "attention_bias": KeyRule("carried", "attn_{q,k,v,output}.bias"),
+    "mlp_bias": KeyRule("carried", "ffn_{gate,up,down}.bias"),
+}
+
+LLAMA_ROPE = {
+    "rope_parameters": KeyRule("carried", "rope.freq_base and rope.scaling.* (linear, yarn) or a rope_freqs tensor "
+                               "(llama3)", rope_check(*ROPE_TYPES, "llama3")),
+    "rope_scaling": KeyRule("carried", "as rope_parameters", rope_check(*ROPE_TYPES, "llama3")),
+}
+
+
+def _gemma3_layers(value, cfg: dict) -> str | None:
+    want = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(len(value))]
+    return None if list(value) == want else ("llama.cpp makes every 6th layer global (set_swa_pattern(6)); "
+                                             f"this model's layer_types differ: {value}")
+
+
+GGUF_CONFIG_RULES: dict[str, dict[str, KeyRule]] = {
+    "llama": {**COMMON, **NO_SLIDING_GRAPH, **BIASES, **LLAMA_ROPE},
+    "mistral": {**COMMON, **NO_SLIDING_GRAPH, **LLAMA_ROPE},
+    "qwen2": {**COMMON, **NO_SLIDING_GRAPH},
+    "qwen3": {**COMMON, **NO_SLIDING_GRAPH, "attention_bias": BIASES["attention_bias"]},
+    "gemma3_text": {
+        **COMMON,
+        "hidden_act": KeyRule("inert", "Gemma 3 reads hidden_activation"),
+        "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
+            "gelu_pytorch_tanh", why="llama.cpp's Gemma 3 graph uses tanh-GELU")),
+        "query_pre_attn_scalar": KeyRule("folded", "attn_q_norm multiplied by sqrt(d / query_pre_attn_scalar), "
+                                         "d the size llama.cpp scales queries by"),
+        "sliding_window": KeyRule("carried", "attention.sliding_window"),
+        "layer_types": KeyRule("refused unless", "every 6th layer global", _gemma3_layers),
+        "_sliding_window_pattern": KeyRule("inert", "layer_types is what counts"),
+        "final_logit_softcapping": KeyRule("carried", "final_logit_softcapping"),
+        "attn_logit_softcapping": KeyRule("refused unless", "none", must_be(
+            None, why="llama.cpp's Gemma 3 graph does not soft-cap attention logits")),
+        "use_bidirectional_attention": KeyRule("refused unless", "false", must_be(
+            False, None, why="llama.cpp runs Gemma 3 causally")),
+        "attention_bias": KeyRule("refused unless", "false", must_be(
+            False, why="llama.cpp's Gemma 3 graph has no attention biases")),
+    },
+    "phi3": {
+        **COMMON,
+        "sliding_window": NO_SLIDING_GRAPH["sliding_window"],  # measured: llama.cpp's phi3 attends to all
+        "original_max_position_embeddings": KeyRule("inert", "used only by longrope, which is refused"),
+        "partial_rotary_factor": KeyRule("carried", "rope.dimension_count"),
+    },
+}
+
+
+@dataclass
+class GGUFConfigFacts:
+    """What the audit decided for one export: metadata overrides, weight folds and notes for the manifest."""
+
+    context_length: int | None = None
+    q_norm_factor: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def gemma3_attention_scale_dim(cfg: dict) -> float:
+    """The d of llama.cpp's 1/sqrt(d) query scale for Gemma 3."""
+    if int(cfg["num_hidden_layers"]) == 62:  # LLM_TYPE_27B
+        return cfg["hidden_size"] / cfg["num_attention_heads"]
+    return float(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def gguf_config_facts(model_type: str, cfg: dict) -> GGUFConfigFacts:
+    """Audit ``cfg`` for GGUF (UserError on a value llama.cpp cannot honour) and derive what to write."""
+    rules = GGUF_CONFIG_RULES.get(model_type)
+    if rules is None:
+        return GGUFConfigFacts()
+    audit(cfg, rules, "gguf")
+    facts = GGUFConfigFacts()
+    if rules.get("sliding_window") is NO_SLIDING_GRAPH["sliding_window"] and _window_active(cfg):
+        facts.context_length = int(cfg["sliding_window"])
+        facts.notes.append(f"context_length {facts.context_length}: the model's sliding window, which llama.cpp "
+                           f"does not run for {model_type} (max_position_embeddings "
+                           f"{cfg.get('max_position_embeddings')})")
+    if (rule := rules.get("query_pre_attn_scalar")) is not None and rule.how == "folded":
+        scalar = cfg.get("query_pre_attn_scalar")
+        d = gemma3_attention_scale_dim(cfg)
+        if scalar and not math.isclose(float(scalar), d):
+            facts.q_norm_factor = math.sqrt(d / float(scalar))
+            facts.notes.append(f"query_pre_attn_scalar {scalar} folded into attn_q_norm (x{facts.q_norm_factor:.6g}): "
+                               f"llama.cpp scales queries by 1/sqrt({d:g})")
+    return facts

@@ -1,0 +1,149 @@
+"""The config audit for --target gguf: one case per audited key at a non-default value, each carried into the
+GGUF (llama.cpp = transformers), folded, capped, or refused with the reason (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tuneport.convert.config_audit import INERT_KEYS, class_default
+from tuneport.convert.gguf.config_keys import GGUF_CONFIG_RULES
+from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, logits
+from tuneport.toolkit.tiny import make_base
+
+IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
+TOL = {"gemma3_text": 5e-3}  # llama.cpp's fp16 GELU table (tests/test_gguf_export.py); else 1e-4
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    key: str  # the audited key this case gives a non-default value
+    overrides: dict  # config values (transformers' names) the tiny model is built with
+    expect: str  # "parity" | "capped" | "refused: <a piece of the message>"
+    config_patch: dict | None = None  # written into config.json after the build (layouts transformers rewrites)
+
+    @property
+    def id(self) -> str:
+        return f"{self.arch}-{self.key}"
+
+
+ROPE = {"rope_theta": 10000.0}
+LLAMA3 = {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+CASES = [
+    Case("llama", "rms_norm_eps", {"rms_norm_eps": 1e-2}, "parity"),
+    Case("llama", "tie_word_embeddings", {"tie_word_embeddings": True}, "parity"),
+    Case("llama", "rope_theta", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}, "parity"),
+    Case("llama", "rope_parameters", {"rope_parameters": {**ROPE, "rope_type": "linear", "factor": 4.0}}, "parity"),
+    Case("llama", "rope_parameters llama3", {"rope_parameters": LLAMA3}, "parity"),
+    Case("qwen2", "rope_parameters", {"rope_parameters": LLAMA3}, "refused: RoPE types"),
+    Case("qwen3", "rope_parameters yarn", {"rope_parameters": {**ROPE, "rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 64}}, "parity"),
+    Case("mistral", "rope_scaling", {}, "refused: RoPE types",
+         config_patch={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters": None}),
+    Case("qwen2", "rope_scaling", {}, "parity", config_patch={  # transformers 4's layout
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 300.0, "rope_parameters": None}),
+    Case("llama", "hidden_act", {"hidden_act": "gelu"}, "refused: uses SiLU"),
+    Case("llama", "attention_bias", {"attention_bias": True}, "parity"),
+    Case("llama", "mlp_bias", {"mlp_bias": True}, "parity"),
+    Case("mistral", "sliding_window", {"sliding_window": 8}, "capped"),
+    Case("qwen2", "use_sliding_window", {"use_sliding_window": True, "sliding_window": 8,
+                                         "max_window_layers": 0}, "capped"),
+    Case("qwen3", "layer_types", {"layer_types": ["full_attention", "sliding_attention"],
+                                  "use_sliding_window": True, "sliding_window": 8}, "capped"),
+    Case("gemma3_text", "hidden_activation", {"hidden_activation": "silu"}, "refused: tanh-GELU"),
+    Case("gemma3_text", "query_pre_attn_scalar", {"query_pre_attn_scalar": 100}, "parity"),
+    Case("gemma3_text", "sliding_window", {"sliding_window": 8}, "parity"),
+    Case("gemma3_text", "layer_types", {"layer_types": ["full_attention", "sliding_attention"]},
+         "refused: every 6th layer"),
+    Case("gemma3_text", "final_logit_softcapping", {"final_logit_softcapping": 1.5}, "parity"),
+    Case("gemma3_text", "attn_logit_softcapping", {"attn_logit_softcapping": 50.0}, "refused: soft-cap"),
+    Case("gemma3_text", "use_bidirectional_attention", {"use_bidirectional_attention": True}, "refused: causally"),
+    Case("gemma3_text", "attention_bias", {"attention_bias": True}, "refused: no attention biases"),
+    Case("gemma3_text", "rope_parameters", {"num_hidden_layers": 6, "sliding_window": 8, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}, "parity"),
+    Case("phi3", "sliding_window", {"sliding_window": 8}, "capped"),
+    Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
+                                                               "partial_rotary_factor": 0.5}}, "parity"),
+    Case("llama", "unknown key", {}, "refused: not in tuneport's audit", config_patch={"attn_temperature": 0.5}),
+]
+# Rules that need no case: shapes and context length (every parity test carries them), and inert keys.
+UNTESTED_HOW = {"inert"}
+UNTESTED_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings", "max_window_layers"}
+
+
+def build(case: Case, root):
+    dims = dict(case.overrides)
+    base = make_base(case.arch, root / "base", tied=dims.pop("tie_word_embeddings", False), dims=dims)
+    if case.config_patch:
+        path = base / "config.json"
+        cfg = json.loads(path.read_text())
+        for k, v in case.config_patch.items():
+            cfg.pop(k) if v is None else cfg.__setitem__(k, v)
+        path.write_text(json.dumps(cfg, indent=2))
+    return base
+
+
+def test_every_audited_key_has_a_case():
+    """A rule (per key and behaviour, shared rules counted once) without a case here fails the suite."""
+    covered = {(c.arch, c.key) for c in CASES}
+    missing = []
+    seen = set()
+    for arch, rules in GGUF_CONFIG_RULES.items():
+        for key, rule in rules.items():
+            if rule.how in UNTESTED_HOW or key in UNTESTED_KEYS or id(rule) in seen:
+                continue
+            seen.add(id(rule))
+            if (arch, key) not in covered and not any(c.key.split()[0] == key and
+                                                      GGUF_CONFIG_RULES[c.arch].get(key) is rule for c in CASES):
+                missing.append(f"{arch}.{key}")
+    assert not missing, f"audited keys without a test case: {missing}"
+
+
+def test_every_default_key_is_audited_or_inert():
+    """Each key transformers writes for an architecture is in its rules or inert: a new transformers key at a
+    non-default value would be refused, at its default it passes; this lists what the table does not name."""
+    for arch, rules in GGUF_CONFIG_RULES.items():
+        from transformers import AutoConfig
+
+        unnamed = [k for k in AutoConfig.for_model(arch).to_dict() if k not in rules and k not in INERT_KEYS]
+        assert unnamed == [], f"{arch}: {unnamed}"
+        assert class_default(arch, "model_type") == arch
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_config_key(case, tmp_path, cli):
+    base = build(case, tmp_path)
+    out = tmp_path / "gguf"
+    code, stdout, err = cli("export", "--target", "gguf", "--json", "--base", base, "--quant", "f32", "--out", out)
+    if case.expect.startswith("refused"):
+        assert code == 2 and not out.exists(), (code, err)
+        assert case.expect.split(": ", 1)[1] in err and "Traceback" not in err, err
+        return
+    assert code == 0, err
+    result = json.loads(stdout)
+    ids = IDS
+    if case.expect == "capped":
+        import gguf
+
+        window = int(case.overrides["sliding_window"])
+        reader = gguf.GGUFReader(str(out / f"{base.name}-F32.gguf"))
+        field = reader.get_field(f"{reader.get_field('general.architecture').contents()}.context_length")
+        assert field.contents() == window
+        assert any("sliding window" in n for n in result["notes"]), result["notes"]
+        ids = IDS[:window]  # up to the window the sliding and full attentions agree
+    ref = logits(load_hf(base), torch.tensor([ids]))[0]
+    llm = llamacpp_model(out / f"{base.name}-F32.gguf")
+    try:
+        cmp = compare_logits(ref, llamacpp_logits(llm, ids))
+    finally:
+        llm.close()
+    print(f"\n{case.id}: max|d| {cmp.max_abs:.2e}")
+    assert cmp.max_abs <= TOL.get(case.arch, 1e-4), cmp
