@@ -24,8 +24,9 @@ INERT_KEYS = frozenset({
     "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
     "output_hidden_states", "output_attentions", "return_dict", "use_cache", "chunk_size_feed_forward",
     "is_encoder_decoder", "id2label", "label2id", "problem_type", "initializer_range", "pad_token_id",
-    "bos_token_id", "eos_token_id", "attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout",
-    "tokenizer_class", "_attn_implementation_autoset", "max_length", "num_return_sequences",
+    "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+    "decoder_start_token_id", "cache_implementation", "attention_dropout", "resid_pdrop", "embd_pdrop",
+    "hidden_dropout", "tokenizer_class", "_attn_implementation_autoset", "max_length", "num_return_sequences",
     "tie_encoder_decoder", "pruned_heads", "torchscript", "use_return_dict", "bad_words_ids",
 })
 

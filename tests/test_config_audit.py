@@ -67,6 +67,11 @@ CASES = [
     Case("gemma3_text", "rope_parameters", {"num_hidden_layers": 6, "sliding_window": 8, "rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}, "parity"),
+    Case("gemma3_text", "rope_local_base_freq", {"num_hidden_layers": 6, "sliding_window": 8}, "parity",
+         config_patch={"rope_parameters": None, "rope_theta": 1000.0, "rope_local_base_freq": 50.0,
+                       "sliding_window_pattern": 6}),  # transformers 4's layout
+    Case("gemma3_text", "sliding_window_pattern", {}, "refused: every 6th layer",
+         config_patch={"sliding_window_pattern": 2}),
     Case("phi3", "sliding_window", {"sliding_window": 8}, "capped"),
     Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
                                                                "partial_rotary_factor": 0.5}}, "parity"),

@@ -102,6 +102,10 @@ GGUF_CONFIG_RULES: dict[str, dict[str, KeyRule]] = {
         "sliding_window": KeyRule("carried", "attention.sliding_window"),
         "layer_types": KeyRule("refused unless", "every 6th layer global", _gemma3_layers),
         "_sliding_window_pattern": KeyRule("inert", "layer_types is what counts"),
+        # transformers 4's layout of the same settings
+        "sliding_window_pattern": KeyRule("refused unless", "6", must_be(
+            6, why="llama.cpp makes every 6th layer global (set_swa_pattern(6))")),
+        "rope_local_base_freq": KeyRule("carried", "rope.freq_base_swa"),
         "final_logit_softcapping": KeyRule("carried", "final_logit_softcapping"),
         "attn_logit_softcapping": KeyRule("refused unless", "none", must_be(
             None, why="llama.cpp's Gemma 3 graph does not soft-cap attention logits")),

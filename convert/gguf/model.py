@@ -78,6 +78,8 @@ def rope_parameters(config: dict, layer_kind: str = "full_attention") -> dict:
     rp = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     if "full_attention" in rp or "sliding_attention" in rp:
         rp = dict(rp.get(layer_kind) or rp.get("full_attention") or {})
+    if layer_kind == "sliding_attention" and "rope_local_base_freq" in config and not rp.get("rope_theta"):
+        rp = {"rope_theta": config["rope_local_base_freq"]}  # transformers 4's Gemma 3 layout
     rp.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rp.setdefault("rope_type", rp.get("type", "default"))
     return rp
