@@ -23,6 +23,7 @@ from tuneport.convert.awq.quant import QuantScheme, dequantize, fake_quantize, q
 from tuneport.convert.checkpoint import Checkpoint
 from tuneport.convert.cpu import w4a16_cpu_problem
 from tuneport.convert.merge import plan_merge
+from tuneport.convert.support import supported
 
 SCHEMES = [(g, sym) for g in (32, 64, 128) for sym in (True, False)]
 
@@ -52,7 +53,7 @@ def test_compressed_tensors_packing_matches_its_own_packer():
     assert torch.equal(packed["m.weight_zero_point"], pack_to_int32(qw.zero, 4, packed_dim=0))
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", supported("awq"))
 def test_block_pass_equals_the_whole_model_forward(zoo, arch):
     from transformers import AutoModelForCausalLM
 

@@ -27,6 +27,7 @@ from tuneport.convert.exl3.codebook import CODEBOOKS, lookup_table
 from tuneport.convert.exl3.export import MISMATCH, decode_check, expected_error
 from tuneport.convert.exl3.hadamard import BLOCK, hadamard_128, reconstruct, regularize
 from tuneport.convert.exl3.read import Exl3Model
+from tuneport.convert.support import supported
 
 KS = [2, 3, 4]
 
@@ -340,6 +341,18 @@ def test_decode_check_refuses_weights_that_do_not_match(exl3_dirs, zoo, tmp_path
     decoded_reference(exl3, zoo.base("llama", tied=True), tmp_path / "far", noise=0.3)  # worse than expected:
     report = decode_check(Exl3Model(exl3), Checkpoint(tmp_path / "far"))  # reported, not refused
     assert len(report["above_expected"]) == 15 and MISMATCH > report["worst"] > expected_error(4)
+
+
+@pytest.mark.parametrize("arch", supported("exl3"))
+def test_every_architecture_writes_and_decodes(zoo, tmp_path, arch):
+    """Every architecture of the table, in exllamav3's layout (written by the reference encoder here; the real
+    converter needs CUDA): each quantized linear is found, decoded and checked against the merged weights."""
+    from tuneport.convert.checkpoint import Checkpoint
+
+    write_exl3(zoo.base(arch), tmp_path / "exl3")
+    model = Exl3Model(tmp_path / "exl3")
+    report = decode_check(model, Checkpoint(zoo.base(arch)))
+    assert len(report["layers"]) == len(model.linears) >= 2 * 7 and report["worst"] < expected_error(4)
 
 
 def test_decode_check_reads_fused_linears_exllamav3_splits(zoo, tmp_path):

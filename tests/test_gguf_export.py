@@ -10,6 +10,7 @@ import torch
 from conftest import ARCHS
 
 from tuneport.convert.gguf.quant_types import QUANT_TYPES
+from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
 
 pytestmark = pytest.mark.llamacpp
@@ -32,14 +33,13 @@ def gguf_vs(ref: torch.Tensor, path, lora=None) -> tuple:
     return compare_logits(ref, got)
 
 
-GGUF_ARCHS = [*ARCHS, "qwen3", "gemma3_text", "phi3"]
 # llama.cpp evaluates GELU through an fp16 lookup table on the CPU (HF: exact tanh-GELU), which alone
 # moves Gemma's logits by ~2.6e-3 here; emulating that table in HF brings the difference to ~2.5e-4.
 TOL = {"f32": 1e-4, "f32_kl": 1e-8, "f16": 1e-2}
 ARCH_TOL = {"gemma3_text": {"f32": 5e-3, "f32_kl": 1e-6, "f16": 5e-2}}
 
 
-@pytest.mark.parametrize("arch", GGUF_ARCHS)
+@pytest.mark.parametrize("arch", supported("gguf"))
 def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
     import hashlib
 
@@ -59,6 +59,18 @@ def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
     assert f32.kl <= tol["f32_kl"]
     assert f16.max_abs <= tol["f16"]
     assert q8.kl <= 1e-2
+
+
+@pytest.mark.parametrize("arch", supported("gguf"))
+def test_every_architecture_lora_matches_peft(zoo, tmp_path, cli, arch):
+    """Every architecture of the table: an adapter on all linears as a GGUF LoRA over the F32 base = PEFT."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}",
+           "--out", tmp_path / "gguf")
+    ref = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    cmp = gguf_vs(ref, tmp_path / "gguf" / f"{base.name}-F32.gguf", tmp_path / "gguf" / "adapters" / "a-F32.gguf")
+    print(f"\n{arch}: LoRA max|d| {cmp.max_abs:.2e}")
+    assert cmp.max_abs <= {**TOL, **ARCH_TOL.get(arch, {})}["f32"], cmp
 
 
 @pytest.mark.parametrize("variant", LORA_VARIANTS)

@@ -9,10 +9,22 @@ import torch
 from conftest import ARCHS
 
 import tuneport
+from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
 from tuneport.toolkit.tiny import VARIANTS
 
 TOL = 1e-4
+
+
+@pytest.mark.parametrize("arch", supported("merge"))
+def test_every_architecture_merges_like_peft(zoo, tmp_path, ids, arch):
+    """Every architecture of the table (fused modules included): an adapter on all linears, merged, equals PEFT."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
+    tuneport.merge(base=base, adapters=[adapter], out=tmp_path / "merged")
+    merged = logits(load_hf(tmp_path / "merged"), ids)
+    unmerged = logits(load_peft(base, adapter), ids)
+    assert (merged - unmerged).abs().max().item() <= TOL
+    assert (unmerged - logits(load_hf(base), ids)).abs().max().item() > 0.1
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tuneport.convert.mlx.archs import MLX_ARCHS
+from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import compare_logits, load_hf, load_peft
 from tuneport.toolkit.tiny import VARIANTS
 from tuneport.toolkit.tiny.adapters import make_adapter
@@ -80,7 +80,8 @@ def export(cli, base: Path, out: Path, *args) -> dict:
     return json.loads(stdout)
 
 
-@pytest.mark.parametrize(("arch", "tied"), [(a, False) for a in MLX_ARCHS] + [("llama", True), ("gemma3_text", True)])
+@pytest.mark.parametrize(("arch", "tied"),
+                         [(a, False) for a in supported("mlx")] + [("llama", True), ("gemma3_text", True)])
 def test_every_architecture_equals_transformers(cli, bases, tmp_path, arch, tied):
     base = bases(arch, tied)
     export(cli, base, tmp_path / "mlx")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ARCHS
 
-from tuneport.toolkit.fidelity import greedy, load_peft
+from tuneport.convert.support import supported
+from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
 from tuneport.toolkit.tiny import PROMPTS, VARIANTS
 
 pytestmark = pytest.mark.vllm
@@ -77,6 +78,23 @@ def test_vllm_serves_bundle_and_merged_like_peft(zoo, tmp_path, cli, arch):
             if got[name] != toks:
                 mismatches.append((job.get("bundle") or job["model"], name, got[name], toks))
     assert not mismatches, mismatches[:2]
+
+
+@pytest.mark.parametrize("arch", supported("vllm"))
+def test_every_architecture_serves_like_peft(zoo, tmp_path, cli, arch):
+    """Every architecture of the table in vLLM: the base and an adapter on all linears from one bundle give the
+    greedy tokens of transformers and PEFT."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
+    bundle = tmp_path / "bundle"
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "separate",
+                       "--adapter", f"a={adapter}", "--out", bundle)
+    assert code == 0, err
+    prompts = prompt_ids(base)
+    want = {"": [greedy(load_hf(base), p, N_TOKENS) for p in prompts],
+            "a": [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]}
+    got = run_vllm([{"bundle": str(bundle), "prompts": prompts, "max_tokens": N_TOKENS, "with_base": True}],
+                   tmp_path)[0]
+    assert {k: got[k] for k in want} == want
 
 
 @pytest.mark.parametrize("arch", ARCHS)

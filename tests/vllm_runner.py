@@ -1,7 +1,8 @@
 """Runs jobs in real vLLM (in-process engine, fp32, CPU) and prints greedy tokens as JSON.
 
 Usage: python tests/vllm_runner.py JOBS.json  ->  stdout: one JSON line after the marker.
-A job is {"bundle": dir} (reads tuneport's vllm_launch.json: base + adapters, all in one batch) or
+A job is {"bundle": dir} (reads tuneport's vllm_launch.json: base + adapters, all in one batch; with
+"with_base": true the base answers the prompts in the same batch too, under the name "") or
 {"model": dir} (a merged model, no LoRA). Each job has "prompts" (token id lists) and "max_tokens".
 """
 
@@ -62,6 +63,8 @@ def main() -> None:
                       max_cpu_loras=int(opts["max_cpu_loras"]), max_model_len=256, enforce_eager=True, seed=0)
             names = list(loras)
             reqs = [LoRARequest(n, i + 1, loras[n]) for i, n in enumerate(names)]
+            if job.get("with_base"):  # base requests mixed into the same batch (name "")
+                names, reqs = [*names, ""], [*reqs, None]
             batch = [p for _ in names for p in prompts]
             lora_reqs = [r for r in reqs for _ in prompts]
             outs = llm.generate(batch, sp, lora_request=lora_reqs, use_tqdm=False)

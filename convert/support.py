@@ -1,0 +1,82 @@
+"""The support matrix: architecture x target, each cell read from the table of the target that decides it
+(``ARCHS``, ``GGUF_ARCHS``, ``AWQ_ARCHS``, ``MLX_ARCHS``), with the reason where a target refuses.
+
+``docs/architectures.md`` is generated from it (``python -m tuneport.toolkit.arch_docs``), and the parity tests
+take their architectures from it, so a new table entry is tested on every target it claims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import ARCHS
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    title: str
+    engine: str  # what runs the artifact (and serves it)
+    tests: tuple[str, ...]  # the parity tests parametrized from this column: tests/<file>::<function>
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("merge", "merge (HF safetensors)", "transformers",
+           ("tests/test_merge_equivalence.py::test_every_architecture_merges_like_peft",)),
+    Target("gguf", "GGUF + GGUF LoRA", "llama.cpp (`serve --engine llamacpp`)",
+           ("tests/test_gguf_export.py::test_model_parity_f32_f16_q8",
+            "tests/test_gguf_export.py::test_every_architecture_lora_matches_peft")),
+    Target("vllm", "vLLM bundle", "vLLM (`serve --engine vllm`)",
+           ("tests/test_vllm_export.py::test_every_architecture_serves_like_peft",)),
+    Target("awq", "AWQ (compressed-tensors)", "vLLM",
+           ("tests/test_awq.py::test_block_pass_equals_the_whole_model_forward",)),
+    Target("mlx", "MLX", "mlx-lm (`serve --engine mlx`)",
+           ("tests/test_mlx_export.py::test_every_architecture_equals_transformers",)),
+    Target("exl3", "EXL3", "ExLlamaV3 / TabbyAPI, CUDA only (`serve --engine exllamav3`)",
+           ("tests/test_exl3.py::test_every_architecture_writes_and_decodes",)),
+)
+
+# Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.
+NOT_YET: dict[str, str] = {
+    "gemma3": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, text under language_model)",
+    "gemma2": "Gemma 2 (attention logit soft-capping, query_pre_attn_scalar without q_norm)",
+    "mixtral": "Mixtral (mixture of experts)",
+    "qwen3_moe": "Qwen3-MoE (mixture of experts, expert LoRA)",
+    "granite": "Granite (embedding, attention, residual and logit multipliers)",
+    "olmo2": "OLMo 2 (post-norm blocks, q/k norms over all heads)",
+    "smollm3": "SmolLM3 (layers without RoPE)",
+}
+NOT_YET_REASON = "no table entry yet: every target refuses it as an unsupported architecture"
+
+
+def cell(target: str, model_type: str) -> str | None:
+    """None when ``target`` exports ``model_type``; else the reason it refuses."""
+    if model_type not in ARCHS:
+        return NOT_YET_REASON
+    if target in ("merge", "vllm"):
+        return None  # the HF layout, read by transformers and vLLM as they are
+    if target == "gguf":
+        from .gguf.model import GGUF_ARCHS
+
+        return None if model_type in GGUF_ARCHS else "no GGUF table entry"
+    if target == "awq":
+        from .awq.archs import AWQ_ARCHS, NOT_SUPPORTED
+
+        return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
+    if target == "mlx":
+        from .mlx.archs import MLX_ARCHS
+
+        return None if model_type in MLX_ARCHS else "no MLX table entry"
+    if target == "exl3":
+        return None  # exllamav3 runs every architecture in ARCHS; tuneport merges first
+    raise KeyError(target)
+
+
+def supported(target: str) -> list[str]:
+    """The architectures ``target`` exports, in table order."""
+    return [m for m in ARCHS if cell(target, m) is None]
+
+
+def matrix() -> dict[str, dict[str, str | None]]:
+    """model_type -> target key -> None (supported) or the reason."""
+    return {m: {t.key: cell(t.key, m) for t in TARGETS} for m in ARCHS}
