@@ -82,6 +82,27 @@ ARCHS: dict[str, ArchSpec] = {
         vllm_lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
         notes=("fused qkv_proj and gate_up_proj",),
     ),
+    "olmo2": ArchSpec(
+        "olmo2",
+        ("Olmo2ForCausalLM",),
+        gguf_arch="olmo2",
+        rope_style="neox",
+        notes=("norms after attention and MLP (no input norm); q/k norms over all heads",),
+    ),
+    "granite": ArchSpec(
+        "granite",
+        ("GraniteForCausalLM",),
+        gguf_arch="granite",
+        rope_style="normal",
+        notes=("embedding, attention, residual and logit multipliers (carried as GGUF scales)",),
+    ),
+    "smollm3": ArchSpec(
+        "smollm3",
+        ("SmolLM3ForCausalLM",),
+        gguf_arch="smollm3",
+        rope_style="normal",
+        notes=("every 4th layer without RoPE (no_rope_layers)",),
+    ),
 }
 
 

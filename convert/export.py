@@ -83,6 +83,16 @@ def gguf_architecture(ckpt: Checkpoint) -> None:
     layers_present(ckpt)
 
 
+def exl3_architecture(ckpt: Checkpoint) -> None:
+    from .exl3.converter import EXL3_ARCHS, exl3_refusal
+
+    model_type = arch_for(ckpt.model_type).model_type
+    if (why := exl3_refusal(model_type)) is not None:
+        raise UserError(f"--target exl3 cannot convert architecture {model_type!r} ({why})",
+                        f"exllamav3 converts: {', '.join(EXL3_ARCHS)}; use --target gguf or vllm for this base")
+    layers_present(ckpt)
+
+
 def mlx_architecture(ckpt: Checkpoint) -> None:
     from .mlx.archs import mlx_arch_for
     from .mlx.export import require_mlx
@@ -124,7 +134,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("exl3", "ExLlamaV3 / TabbyAPI (CUDA): adapters merged, converted by exllamav3's converter, every layer "
            "decoded and checked by tuneport", ("merge",), ("dtype", "bits", "head_bits", "codebook", "work_dir",
                                                            "dry_run"),
-           "exl3.export:export_exl3", checks=(unquantized, known_architecture)),
+           "exl3.export:export_exl3", checks=(unquantized, exl3_architecture)),
 )}
 
 

@@ -68,7 +68,9 @@ def cell(target: str, model_type: str) -> str | None:
 
         return None if model_type in MLX_ARCHS else "no MLX table entry"
     if target == "exl3":
-        return None  # exllamav3 runs every architecture in ARCHS; tuneport merges first
+        from .exl3.converter import exl3_refusal
+
+        return exl3_refusal(model_type)
     raise KeyError(target)
 
 

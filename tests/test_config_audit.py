@@ -75,6 +75,14 @@ CASES = [
     Case("phi3", "sliding_window", {"sliding_window": 8}, "capped"),
     Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
                                                                "partial_rotary_factor": 0.5}}, "parity"),
+    Case("olmo2", "attention_bias", {"attention_bias": True}, "refused: no such biases"),
+    Case("granite", "mlp_bias", {"mlp_bias": True}, "refused: no such biases"),
+    Case("granite", "embedding_multiplier", {"embedding_multiplier": 7.0}, "parity"),
+    Case("granite", "residual_multiplier", {"residual_multiplier": 0.2}, "parity"),
+    Case("granite", "attention_multiplier", {"attention_multiplier": 0.3}, "parity"),
+    Case("granite", "logits_scaling", {"logits_scaling": 0.25}, "parity"),
+    Case("smollm3", "no_rope_layers", {"no_rope_layers": [1, 1, 1, 1]}, "refused: every 4th layer"),
+    Case("smollm3", "no_rope_layer_interval", {"no_rope_layer_interval": 2}, "refused: every 4th layer"),
     Case("llama", "unknown key", {}, "refused: not in tuneport's audit", config_patch={"attn_temperature": 0.5}),
 ]
 # Rules that need no case: shapes and context length (every parity test carries them), and inert keys.

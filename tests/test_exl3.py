@@ -343,16 +343,17 @@ def test_decode_check_refuses_weights_that_do_not_match(exl3_dirs, zoo, tmp_path
     assert len(report["above_expected"]) == 15 and MISMATCH > report["worst"] > expected_error(4)
 
 
+@pytest.mark.slow  # the reference encoder takes 20-90 s a model on 2 cores
 @pytest.mark.parametrize("arch", supported("exl3"))
 def test_every_architecture_writes_and_decodes(zoo, tmp_path, arch):
     """Every architecture of the table, in exllamav3's layout (written by the reference encoder here; the real
     converter needs CUDA): each quantized linear is found, decoded and checked against the merged weights."""
     from tuneport.convert.checkpoint import Checkpoint
 
-    write_exl3(zoo.base(arch), tmp_path / "exl3")
+    write_exl3(zoo.base(arch), tmp_path / "exl3", bits=2, head_bits=2)  # 2 bits: about twice as fast to encode
     model = Exl3Model(tmp_path / "exl3")
     report = decode_check(model, Checkpoint(zoo.base(arch)))
-    assert len(report["layers"]) == len(model.linears) >= 2 * 7 and report["worst"] < expected_error(4)
+    assert len(report["layers"]) == len(model.linears) >= 2 * 7 and report["worst"] < expected_error(2)
 
 
 def test_decode_check_reads_fused_linears_exllamav3_splits(zoo, tmp_path):

@@ -46,3 +46,20 @@ def test_every_architecture_has_a_tiny_model():
 
 def test_docs_architectures_is_generated_from_the_tables():
     assert DOC.read_text() == render(), "docs/architectures.md is stale: python -m tuneport.toolkit.arch_docs --write"
+
+
+@pytest.mark.parametrize("target", [t.key for t in TARGETS if t.key not in ("merge", "vllm")])
+def test_every_refused_cell_is_refused_by_the_export_with_its_reason(zoo, target):
+    """A cell's reason is what `export --target` says (the base check, before any work)."""
+    from tuneport.convert.checkpoint import Checkpoint
+    from tuneport.convert.errors import UserError
+    from tuneport.convert.export import check_base
+    from tuneport.convert.support import cell
+
+    for model_type in ARCHS:
+        why = cell(target, model_type)
+        if why is None:
+            continue
+        with pytest.raises(UserError) as e:
+            check_base(Checkpoint(zoo.base(model_type)), target)
+        assert why in str(e.value), (model_type, str(e.value))

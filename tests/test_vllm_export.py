@@ -83,7 +83,7 @@ def test_vllm_serves_bundle_and_merged_like_peft(zoo, tmp_path, cli, arch):
 @pytest.mark.parametrize("arch", supported("vllm"))
 def test_every_architecture_serves_like_peft(zoo, tmp_path, cli, arch):
     """Every architecture of the table in vLLM: the base and an adapter on all linears from one bundle give the
-    greedy tokens of transformers and PEFT."""
+    greedy tokens of transformers and PEFT (tests/test_serve_vllm.py mixes base and adapters in one batch)."""
     base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
     bundle = tmp_path / "bundle"
     code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "separate",

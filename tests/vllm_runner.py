@@ -2,7 +2,7 @@
 
 Usage: python tests/vllm_runner.py JOBS.json  ->  stdout: one JSON line after the marker.
 A job is {"bundle": dir} (reads tuneport's vllm_launch.json: base + adapters, all in one batch; with
-"with_base": true the base answers the prompts in the same batch too, under the name "") or
+"with_base": true the base answers the prompts too, under the name "", in a batch of its own) or
 {"model": dir} (a merged model, no LoRA). Each job has "prompts" (token id lists) and "max_tokens".
 """
 
@@ -63,14 +63,17 @@ def main() -> None:
                       max_cpu_loras=int(opts["max_cpu_loras"]), max_model_len=256, enforce_eager=True, seed=0)
             names = list(loras)
             reqs = [LoRARequest(n, i + 1, loras[n]) for i, n in enumerate(names)]
-            if job.get("with_base"):  # base requests mixed into the same batch (name "")
-                names, reqs = [*names, ""], [*reqs, None]
+            result = {}
+            if job.get("with_base"):  # the base alone first: vLLM CPU gives base requests batched with
+                # adapters the last slot's adapter (serve/vllm_bugs.py; `tuneport serve` guards it)
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                result[""] = [list(o.outputs[0].token_ids) for o in outs]
             batch = [p for _ in names for p in prompts]
             lora_reqs = [r for r in reqs for _ in prompts]
             outs = llm.generate(batch, sp, lora_request=lora_reqs, use_tqdm=False)
             toks = [list(o.outputs[0].token_ids) for o in outs]
             n = len(prompts)
-            results.append({name: toks[i * n:(i + 1) * n] for i, name in enumerate(names)})
+            results.append({**result, **{name: toks[i * n:(i + 1) * n] for i, name in enumerate(names)}})
         else:
             llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=256, enforce_eager=True,
                       seed=0)

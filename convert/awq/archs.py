@@ -58,11 +58,14 @@ AWQ_ARCHS: dict[str, AWQArch] = {
     "mistral": _arch("mistral", "Mistral"),
     "qwen2": _arch("qwen2", "Qwen2"),
     "qwen3": _arch("qwen3", "Qwen3"),
+    "smollm3": _arch("smollm3", "SmolLM3"),
 }
 # Why the others are not in the table (told to the user).
 NOT_SUPPORTED = {
     "gemma3_text": "Gemma stores norm weights as w - 1 and scales embeddings; its folding is not implemented",
     "phi3": "fused qkv_proj / gate_up_proj need split scale groups; not implemented",
+    "granite": "the calibration pass does not apply embedding_multiplier before the first block yet",
+    "olmo2": "its norms follow attention and MLP, so no norm precedes q/k/v or gate/up to fold scales into",
 }
 
 

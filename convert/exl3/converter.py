@@ -30,6 +30,20 @@ DEFAULT_BITS = 4.0
 DEFAULT_HEAD_BITS = 6
 DEFAULT_CODEBOOK = "mul1"  # exllamav3's own default since 1.4
 HEAD_BITS = (*range(1, 9), 16)
+# model_types among tuneport's architectures that exllamav3 has a model class for (its
+# exllamav3/architecture/architectures.py); the others are refused before any work, with the reason.
+EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3")
+EXL3_NOT_SUPPORTED = {
+    "granite": "exllamav3 has no architecture for GraniteForCausalLM",
+    "olmo2": "exllamav3 has no architecture for Olmo2ForCausalLM (it has Olmo3's)",
+}
+
+
+def exl3_refusal(model_type: str) -> str | None:
+    """Why exllamav3 cannot convert ``model_type``, or None."""
+    if model_type in EXL3_ARCHS:
+        return None
+    return EXL3_NOT_SUPPORTED.get(model_type, "no EXL3 table entry")
 INSTALL_HINT = ("on an NVIDIA GPU host: pip install exllamav3 (its extension compiles with nvcc at first import), "
                 "then run the same export there; or --dry-run to print the plan here")
 CONVERTER_SNIPPET = (

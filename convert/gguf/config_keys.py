@@ -122,6 +122,31 @@ GGUF_CONFIG_RULES: dict[str, dict[str, KeyRule]] = {
     },
 }
 
+NO_BIASES = {k: KeyRule("refused unless", "false", must_be(False, None, why="llama.cpp's graph for it has no "
+                                                              "such biases")) for k in ("attention_bias", "mlp_bias")}
+
+
+def _smollm3_no_rope(value, cfg: dict) -> str | None:
+    want = [int((i + 1) % 4 != 0) for i in range(len(value))]
+    return None if list(value) == want else ("llama.cpp skips RoPE on every 4th layer (n_no_rope_layer_step 4, "
+                                             f"no GGUF key); this model's no_rope_layers differ: {value}")
+
+
+GGUF_CONFIG_RULES["olmo2"] = {**COMMON, "attention_bias": NO_BIASES["attention_bias"]}
+GGUF_CONFIG_RULES["granite"] = {
+    **COMMON, **NO_BIASES,
+    "embedding_multiplier": KeyRule("carried", "embedding_scale"),
+    "residual_multiplier": KeyRule("carried", "residual_scale"),
+    "attention_multiplier": KeyRule("carried", "attention.scale"),
+    "logits_scaling": KeyRule("carried", "logit_scale"),
+}
+GGUF_CONFIG_RULES["smollm3"] = {
+    **COMMON, **NO_SLIDING_GRAPH, **NO_BIASES,
+    "no_rope_layers": KeyRule("refused unless", "every 4th layer without RoPE", _smollm3_no_rope),
+    "no_rope_layer_interval": KeyRule("refused unless", "4", must_be(
+        4, why="llama.cpp skips RoPE on every 4th layer (n_no_rope_layer_step 4, no GGUF key)")),
+}
+
 
 @dataclass
 class GGUFConfigFacts:

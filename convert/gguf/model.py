@@ -54,6 +54,12 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen3": GGUFArch(COMMON_HPARAMS),
     "gemma3_text": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, write_freq_base_swa=True, softcap=True),
     "phi3": GGUFArch(COMMON_HPARAMS + SLIDING, write_rope_dims=True, sliding_window_default=0),
+    "olmo2": GGUFArch(COMMON_HPARAMS),
+    "granite": GGUFArch(COMMON_HPARAMS + (
+        ("embedding_scale", ("embedding_multiplier",), "f32"), ("residual_scale", ("residual_multiplier",), "f32"),
+        ("attention.scale", ("attention_multiplier",), "f32"), ("logit_scale", ("logits_scaling",), "f32"),
+    ), write_vocab_size=True, write_rope_dims=True),
+    "smollm3": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
 }
 DROPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 

@@ -114,6 +114,9 @@ MLX_ARCHS: dict[str, MlxArch] = {a.model_type: a for a in (
             norm_offset=1.0, notes=("embedding rows scaled by the ratio of sqrt(hidden) to mlx-lm's bfloat16 "
                                     "rounding of it",)),
     MlxArch("phi3", "phi3", (rope_top_level, no_sliding_window)),
+    MlxArch("olmo2", "olmo2"),
+    MlxArch("granite", "granite"),
+    MlxArch("smollm3", "smollm3", (rope_top_level, no_sliding_window)),
 )}
 
 

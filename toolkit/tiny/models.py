@@ -31,6 +31,13 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3_text": TinyArch("gemma3_text", "Gemma3TextConfig", "sentencepiece",
                             (("head_dim", 32), ("sliding_window", 64))),
     "phi3": TinyArch("phi3", "Phi3Config", "sentencepiece", (("sliding_window", None),)),
+    "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
+    # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
+    "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
+        ("embedding_multiplier", 3.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.05),
+        ("logits_scaling", 2.0))),
+    # 4 layers: the 4th runs without RoPE (no_rope_layer_interval 4)
+    "smollm3": TinyArch("smollm3", "SmolLM3Config", "bpe", (("num_hidden_layers", 4),)),
 }
 
 # Head dim 32: the smallest the vLLM CPU attention backend accepts.
