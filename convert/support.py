@@ -42,9 +42,6 @@ NOT_YET: dict[str, str] = {
     "gemma2": "Gemma 2 (attention logit soft-capping, query_pre_attn_scalar without q_norm)",
     "mixtral": "Mixtral (mixture of experts)",
     "qwen3_moe": "Qwen3-MoE (mixture of experts, expert LoRA)",
-    "granite": "Granite (embedding, attention, residual and logit multipliers)",
-    "olmo2": "OLMo 2 (post-norm blocks, q/k norms over all heads)",
-    "smollm3": "SmolLM3 (layers without RoPE)",
 }
 NOT_YET_REASON = "no table entry yet: every target refuses it as an unsupported architecture"
 

@@ -41,7 +41,10 @@ def test_every_column_is_tested_on_every_architecture_it_claims(target):
 
 
 def test_every_architecture_has_a_tiny_model():
+    from tuneport.convert.support import NOT_YET
+
     assert set(ARCHS) <= set(TINY_ARCHS), set(ARCHS) - set(TINY_ARCHS)
+    assert not set(NOT_YET) & set(ARCHS), "an architecture with an entry is still listed as not supported yet"
 
 
 def test_docs_architectures_is_generated_from_the_tables():
