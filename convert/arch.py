@@ -29,6 +29,8 @@ class ArchSpec:
     # Module suffixes each engine accepts a LoRA on (read from the engine's own model classes).
     vllm_lora_modules: tuple[str, ...] = LLAMA_LINEARS
     exl3_loads_lora: bool = False  # ExLlamaV3 (TabbyAPI) loads no LoRA: merge first
+    # transformers' attention implementation for the reference, where its default computes something else
+    reference_attention: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -81,6 +83,17 @@ ARCHS: dict[str, ArchSpec] = {
         linear_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
         vllm_lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
         notes=("fused qkv_proj and gate_up_proj",),
+    ),
+    "gemma2": ArchSpec(
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        gguf_arch="gemma2",
+        rope_style="neox",
+        notes=("norm weights stored as w - 1", "embeddings scaled by sqrt(hidden)", "attention and final logit "
+               "soft-capping", "every 2nd layer global, the others sliding-window",
+               "the reference runs transformers' eager attention: its default sdpa drops attn_logit_softcapping "
+               "(measured: logits 8.8e-3 apart on the tiny model)"),
+        reference_attention="eager",
     ),
     "olmo2": ArchSpec(
         "olmo2",

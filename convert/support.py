@@ -39,7 +39,6 @@ TARGETS: tuple[Target, ...] = (
 # Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.
 NOT_YET: dict[str, str] = {
     "gemma3": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, text under language_model)",
-    "gemma2": "Gemma 2 (attention logit soft-capping, query_pre_attn_scalar without q_norm)",
     "mixtral": "Mixtral (mixture of experts)",
     "qwen3_moe": "Qwen3-MoE (mixture of experts, expert LoRA)",
 }
@@ -61,9 +60,9 @@ def cell(target: str, model_type: str) -> str | None:
 
         return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
     if target == "mlx":
-        from .mlx.archs import MLX_ARCHS
+        from .mlx.archs import MLX_ARCHS, MLX_NOT_SUPPORTED
 
-        return None if model_type in MLX_ARCHS else "no MLX table entry"
+        return None if model_type in MLX_ARCHS else MLX_NOT_SUPPORTED.get(model_type, "no MLX table entry")
     if target == "exl3":
         from .exl3.converter import exl3_refusal
 

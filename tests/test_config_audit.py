@@ -15,7 +15,7 @@ from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_
 from tuneport.toolkit.tiny import make_base
 
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
-TOL = {"gemma3_text": 5e-3}  # llama.cpp's fp16 GELU table (tests/test_gguf_export.py); else 1e-4
+TOL = {"gemma3_text": 5e-3, "gemma2": 5e-3}  # llama.cpp's fp16 GELU table (tests/test_gguf_export.py); else 1e-4
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,17 @@ CASES = [
                        "sliding_window_pattern": 6}),  # transformers 4's layout
     Case("gemma3_text", "sliding_window_pattern", {}, "refused: every 6th layer",
          config_patch={"sliding_window_pattern": 2}),
+    Case("gemma2", "query_pre_attn_scalar", {"query_pre_attn_scalar": 100}, "parity"),
+    Case("gemma2", "attn_logit_softcapping", {"attn_logit_softcapping": 5.0}, "parity"),
+    Case("gemma2", "final_logit_softcapping", {"final_logit_softcapping": None}, "refused: always soft-caps"),
+    Case("gemma2", "sliding_window", {"sliding_window": 8}, "parity"),
+    Case("gemma2", "layer_types", {"layer_types": ["full_attention", "sliding_attention"]},
+         "refused: every 2nd layer"),
+    Case("gemma2", "tie_word_embeddings", {}, "refused: reuses token_embd",
+         config_patch={"tie_word_embeddings": False}),
+    Case("gemma2", "hidden_activation", {"hidden_activation": "silu"}, "refused: tanh-GELU"),
+    Case("gemma2", "use_bidirectional_attention", {"use_bidirectional_attention": True}, "refused: causally"),
+    Case("gemma2", "attention_bias", {"attention_bias": True}, "refused: no attention biases"),
     Case("phi3", "sliding_window", {"sliding_window": 8}, "capped"),
     Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
                                                                "partial_rotary_factor": 0.5}}, "parity"),

@@ -31,9 +31,13 @@ def compare_logits(ref: torch.Tensor, art: torch.Tensor) -> LogitComparison:
 
 
 def load_hf(path: Path | str, dtype: torch.dtype = torch.float32, vocab: int | None = None):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from tuneport.convert.arch import known_arch
+
+    spec = known_arch(AutoConfig.from_pretrained(path).model_type)
+    extra = {"attn_implementation": spec.reference_attention} if spec and spec.reference_attention else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     if vocab is not None and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab, mean_resizing=False)
     return model.eval()

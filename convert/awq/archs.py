@@ -64,6 +64,7 @@ AWQ_ARCHS: dict[str, AWQArch] = {
 NOT_SUPPORTED = {
     "gemma3_text": "Gemma stores norm weights as w - 1 and scales embeddings; its folding is not implemented",
     "phi3": "fused qkv_proj / gate_up_proj need split scale groups; not implemented",
+    "gemma2": "Gemma stores norm weights as w - 1 and scales embeddings; its folding is not implemented",
     "granite": "the calibration pass does not apply embedding_multiplier before the first block yet",
     "olmo2": "its norms follow attention and MLP, so no norm precedes q/k/v or gate/up to fold scales into",
 }

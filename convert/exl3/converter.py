@@ -32,7 +32,7 @@ DEFAULT_CODEBOOK = "mul1"  # exllamav3's own default since 1.4
 HEAD_BITS = (*range(1, 9), 16)
 # model_types among tuneport's architectures that exllamav3 has a model class for (its
 # exllamav3/architecture/architectures.py); the others are refused before any work, with the reason.
-EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3")
+EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemma2", "smollm3")
 EXL3_NOT_SUPPORTED = {
     "granite": "exllamav3 has no architecture for GraniteForCausalLM",
     "olmo2": "exllamav3 has no architecture for Olmo2ForCausalLM (it has Olmo3's)",

@@ -81,6 +81,10 @@ LLAMA_ROPE = {
 }
 
 
+def _gemma2_softcap(value, cfg: dict) -> str | None:
+    return None if value else "llama.cpp always soft-caps Gemma 2's logits (50 and 30 when the GGUF gives none)"
+
+
 def _gemma3_layers(value, cfg: dict) -> str | None:
     want = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(len(value))]
     return None if list(value) == want else ("llama.cpp makes every 6th layer global (set_swa_pattern(6)); "
@@ -113,6 +117,26 @@ GGUF_CONFIG_RULES: dict[str, dict[str, KeyRule]] = {
             False, None, why="llama.cpp runs Gemma 3 causally")),
         "attention_bias": KeyRule("refused unless", "false", must_be(
             False, why="llama.cpp's Gemma 3 graph has no attention biases")),
+    },
+    "gemma2": {
+        **COMMON,
+        "hidden_act": KeyRule("inert", "Gemma 2 reads hidden_activation"),
+        "tie_word_embeddings": KeyRule("refused unless", "true", must_be(
+            True, why="llama.cpp's Gemma 2 has no output tensor: it reuses token_embd")),
+        "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
+            "gelu_pytorch_tanh", why="llama.cpp's Gemma 2 graph uses tanh-GELU")),
+        "query_pre_attn_scalar": KeyRule("folded", "attn_q rows (and a q_proj LoRA's B) multiplied by "
+                                         "sqrt(d / query_pre_attn_scalar): Gemma 2 has no q norm"),
+        "sliding_window": KeyRule("carried", "attention.sliding_window"),
+        "layer_types": KeyRule("refused unless", "every 2nd layer global", lambda v, cfg: None if list(v) == [
+            "full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(len(v))] else
+            f"llama.cpp makes every 2nd layer global (set_swa_pattern(2)); this model's layer_types differ: {v}"),
+        "final_logit_softcapping": KeyRule("carried", "final_logit_softcapping", _gemma2_softcap),
+        "attn_logit_softcapping": KeyRule("carried", "attn_logit_softcapping", _gemma2_softcap),
+        "use_bidirectional_attention": KeyRule("refused unless", "false", must_be(
+            False, None, why="llama.cpp runs Gemma 2 causally")),
+        "attention_bias": KeyRule("refused unless", "false", must_be(
+            False, why="llama.cpp's Gemma 2 graph has no attention biases")),
     },
     "phi3": {
         **COMMON,
@@ -153,13 +177,20 @@ class GGUFConfigFacts:
     """What the audit decided for one export: metadata overrides, weight folds and notes for the manifest."""
 
     context_length: int | None = None
-    q_norm_factor: float | None = None
+    q_norm_factor: float | None = None  # Gemma 3: the query scale folded into attn_q_norm
+    q_proj_factor: float | None = None  # Gemma 2 (no q norm): into attn_q's rows and q_proj LoRA B
     notes: list[str] = field(default_factory=list)
 
 
-def gemma3_attention_scale_dim(cfg: dict) -> float:
-    """The d of llama.cpp's 1/sqrt(d) query scale for Gemma 3."""
-    if int(cfg["num_hidden_layers"]) == 62:  # LLM_TYPE_27B
+# Gemma: the layer count at which llama.cpp takes the model for its 27B and scales queries by
+# 1/sqrt(hidden/heads) instead of 1/sqrt(head_dim); and where the query scale is folded.
+GEMMA_27B_LAYERS = {"gemma3_text": 62, "gemma2": 46}
+QUERY_FOLD = {"gemma3_text": "q_norm", "gemma2": "q_proj"}
+
+
+def gemma_attention_scale_dim(model_type: str, cfg: dict) -> float:
+    """The d of llama.cpp's 1/sqrt(d) query scale for Gemma 2 and 3."""
+    if int(cfg["num_hidden_layers"]) == GEMMA_27B_LAYERS[model_type]:
         return cfg["hidden_size"] / cfg["num_attention_heads"]
     return float(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
@@ -178,9 +209,10 @@ def gguf_config_facts(model_type: str, cfg: dict) -> GGUFConfigFacts:
                            f"{cfg.get('max_position_embeddings')})")
     if (rule := rules.get("query_pre_attn_scalar")) is not None and rule.how == "folded":
         scalar = cfg.get("query_pre_attn_scalar")
-        d = gemma3_attention_scale_dim(cfg)
+        d = gemma_attention_scale_dim(model_type, cfg)
         if scalar and not math.isclose(float(scalar), d):
-            facts.q_norm_factor = math.sqrt(d / float(scalar))
-            facts.notes.append(f"query_pre_attn_scalar {scalar} folded into attn_q_norm (x{facts.q_norm_factor:.6g}): "
+            factor, into = math.sqrt(d / float(scalar)), QUERY_FOLD[model_type]
+            setattr(facts, f"{into}_factor", factor)
+            facts.notes.append(f"query_pre_attn_scalar {scalar} folded into {into} (x{factor:.6g}): "
                                f"llama.cpp scales queries by 1/sqrt({d:g})")
     return facts

@@ -59,6 +59,8 @@ def lora_refusals(adapter: Adapter, base: Checkpoint | None, arch: ArchSpec) -> 
 def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFLora:
     import gguf
 
+    from .config_keys import gguf_config_facts
+
     plan_merge(base, [WeightedAdapter(adapter)])  # fits this base (names, shapes)
     problems = lora_refusals(adapter, base, arch)
     if problems:
@@ -73,11 +75,14 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     if uniform and acfg.get("use_rslora"):
         alpha = alpha * math.sqrt(next(iter(ranks)))
     lora = GGUFLora(alpha)
+    q_factor = gguf_config_facts(arch.model_type, cfg).q_proj_factor
     for mod in adapter.modules.values():
         gname = tmap.get_name(mod.target, try_suffixes=(".weight",))
         if gname is None:
             raise UserError(f"adapter {adapter.name}: {mod.module} has no GGUF tensor name", MERGE_HINT)
         factor = mod.scale * mod.rank / alpha  # llama.cpp applies alpha / rank
+        if q_factor and mod.module.endswith("q_proj"):
+            factor *= q_factor  # the base's q_proj rows carry the same fold (GGUFConfigFacts)
         A, B = mod.A.float(), mod.B.float()
         if not math.isclose(factor, 1.0, rel_tol=1e-12):
             B = B * factor

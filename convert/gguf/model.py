@@ -33,6 +33,7 @@ class GGUFArch:
     write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
     sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
     softcap: bool = False  # final_logit_softcapping
+    attn_softcap: bool = False  # attn_logit_softcapping (Gemma 2)
 
 
 COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -54,6 +55,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen3": GGUFArch(COMMON_HPARAMS),
     "gemma3_text": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, write_freq_base_swa=True, softcap=True),
     "phi3": GGUFArch(COMMON_HPARAMS + SLIDING, write_rope_dims=True, sliding_window_default=0),
+    "gemma2": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, softcap=True, attn_softcap=True),
     "olmo2": GGUFArch(COMMON_HPARAMS),
     "granite": GGUFArch(COMMON_HPARAMS + (
         ("embedding_scale", ("embedding_multiplier",), "f32"), ("residual_scale", ("residual_multiplier",), "f32"),
@@ -186,6 +188,8 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             transform = lambda t, o=garch.norm_offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
         elif plan.facts.q_norm_factor and name.endswith("q_norm.weight"):
             transform = lambda t, s=plan.facts.q_norm_factor: t.float() * s  # noqa: E731
+        elif plan.facts.q_proj_factor and name.rsplit(".", 1)[0].endswith("q_proj"):
+            transform = lambda t, s=plan.facts.q_proj_factor: t.float() * s  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
     if rp["rope_type"] == "llama3":
@@ -225,6 +229,8 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         writer.add_uint32(f"{arch}.attention.sliding_window", garch.sliding_window_default)
     if garch.softcap and cfg.get("final_logit_softcapping"):
         writer.add_float32(f"{arch}.final_logit_softcapping", float(cfg["final_logit_softcapping"]))
+    if garch.attn_softcap and cfg.get("attn_logit_softcapping"):
+        writer.add_float32(f"{arch}.attn_logit_softcapping", float(cfg["attn_logit_softcapping"]))
     if garch.write_vocab_size:
         writer.add_uint32(f"{arch}.vocab_size", n_vocab)
     if garch.write_rope_dims:

@@ -120,11 +120,18 @@ MLX_ARCHS: dict[str, MlxArch] = {a.model_type: a for a in (
 )}
 
 
+# Why the others are not in the table (told to the user).
+MLX_NOT_SUPPORTED = {
+    "gemma2": "mlx-lm's Gemma 2 has no sliding window, so past the window its outputs differ",
+}
+
+
 def mlx_arch_for(model_type: str | None) -> MlxArch:
     try:
         return MLX_ARCHS[str(model_type)]
     except KeyError:
-        raise UserError(f"--target mlx does not know architecture {model_type!r}",
+        why = MLX_NOT_SUPPORTED.get(str(model_type))
+        raise UserError(f"--target mlx does not know architecture {model_type!r}" + (f" ({why})" if why else ""),
                         f"it exports: {', '.join(MLX_ARCHS)}") from None
 
 

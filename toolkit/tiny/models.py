@@ -19,6 +19,7 @@ class TinyArch:
     config_class: str
     tokenizer: str  # key of TOKENIZER_WRITERS
     extra: tuple[tuple[str, object], ...] = ()
+    always_tied: bool = False  # real checkpoints are all tied (and llama.cpp needs it)
 
 
 TINY_ARCHS: dict[str, TinyArch] = {
@@ -31,6 +32,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3_text": TinyArch("gemma3_text", "Gemma3TextConfig", "sentencepiece",
                             (("head_dim", 32), ("sliding_window", 64))),
     "phi3": TinyArch("phi3", "Phi3Config", "sentencepiece", (("sliding_window", None),)),
+    # transformers' defaults otherwise: query_pre_attn_scalar 256, soft-caps 50 (attention) and 30 (final)
+    "gemma2": TinyArch("gemma2", "Gemma2Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
+                       always_tied=True),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
     # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
     "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
@@ -78,7 +82,7 @@ def make_base(
     config_cls = getattr(transformers, spec.config_class)
     config = config_cls(
         vocab_size=len(tok),
-        tie_word_embeddings=tied,
+        tie_word_embeddings=tied or spec.always_tied,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
