@@ -147,8 +147,23 @@ def target_for(name: str) -> Target:
 
 def check_base(ckpt: Checkpoint, target: str) -> None:
     """Raise the first reason ``target`` cannot be exported from ``ckpt`` (exporters and ``inspect`` ask this)."""
+    ckpt = for_target(ckpt, target)
     for check in TARGETS[target].checks if target in TARGETS else (unquantized,):
         check(ckpt)
+
+
+def for_target(ckpt: Checkpoint, target: str) -> Checkpoint:
+    """The checkpoint ``target`` exports: a multimodal one's text model for text-only targets (refused by the
+    others with the reason)."""
+    from .multimodal import TEXT_ONLY_TARGETS, TEXT_TOWERS, text_tower_view
+
+    if ckpt.model_type not in TEXT_TOWERS:
+        return ckpt
+    if target not in TEXT_ONLY_TARGETS:
+        raise UserError(f"--target {target} does not export multimodal {ckpt.model_type} checkpoints yet "
+                        "(their vision tower would have to be kept)",
+                        f"--target {' or '.join(TEXT_ONLY_TARGETS)} export its text model")
+    return text_tower_view(ckpt)
 
 
 def load_weighted(adapters: list[AdapterSpec], allow_pickle: bool = False) -> list[WeightedAdapter]:
@@ -167,11 +182,17 @@ def open_inputs(opts: MergeOptions, target: str) -> tuple[Checkpoint, list[Weigh
     ``target``, the adapters loaded."""
     from .checkpoint import Checkpoint
     from .io import check_output_path
+    from .merge import WeightedAdapter
+    from .multimodal import text_tower_adapter
 
     check_output_path(opts.out, opts.force)
     ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
     check_base(ckpt, target)
-    return ckpt, load_weighted(opts.adapters, opts.allow_pickle)
+    view = for_target(ckpt, target)
+    loaded = load_weighted(opts.adapters, opts.allow_pickle)
+    if view is not ckpt:
+        loaded = [WeightedAdapter(text_tower_adapter(w.adapter, ckpt.model_type, target), w.weight) for w in loaded]
+    return view, loaded
 
 
 def base_refusal(ckpt: Checkpoint, target: str) -> str | None:

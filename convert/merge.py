@@ -65,6 +65,7 @@ def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "
     """Check every adapter against the base and decide the output; raises UserError on a misfit."""
     check_choice("--dtype", dtype, tuple(OUT_DTYPES))
     plan = MergePlan(base, adapters, OUT_DTYPES[dtype])
+    plan.notes.extend(getattr(base, "notes", []))  # e.g. a multimodal checkpoint's text model, exported alone
     arch = base.arch
     embed = f"{arch.embed}.weight" if arch else "model.embed_tokens.weight"
     head = f"{arch.lm_head}.weight" if arch else "lm_head.weight"

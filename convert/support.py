@@ -38,7 +38,6 @@ TARGETS: tuple[Target, ...] = (
 
 # Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.
 NOT_YET: dict[str, str] = {
-    "gemma3": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, text under language_model)",
     "mixtral": "Mixtral (mixture of experts)",
     "qwen3_moe": "Qwen3-MoE (mixture of experts, expert LoRA)",
 }
@@ -47,6 +46,12 @@ NOT_YET_REASON = "no table entry yet: every target refuses it as an unsupported 
 
 def cell(target: str, model_type: str) -> str | None:
     """None when ``target`` exports ``model_type``; else the reason it refuses."""
+    from .multimodal import TEXT_ONLY_TARGETS, TEXT_TOWERS
+
+    if model_type in TEXT_TOWERS:
+        if target not in TEXT_ONLY_TARGETS:
+            return "multimodal checkpoints not exported yet (the vision tower would have to be kept)"
+        return cell(target, TEXT_TOWERS[model_type].text_model_type)
     if model_type not in ARCHS:
         return NOT_YET_REASON
     if target in ("merge", "vllm"):
@@ -70,11 +75,18 @@ def cell(target: str, model_type: str) -> str | None:
     raise KeyError(target)
 
 
+def model_types() -> list[str]:
+    """Every row of the matrix: the architectures, then the multimodal checkpoints whose text model is one."""
+    from .multimodal import TEXT_TOWERS
+
+    return [*ARCHS, *TEXT_TOWERS]
+
+
 def supported(target: str) -> list[str]:
     """The architectures ``target`` exports, in table order."""
-    return [m for m in ARCHS if cell(target, m) is None]
+    return [m for m in model_types() if cell(target, m) is None]
 
 
 def matrix() -> dict[str, dict[str, str | None]]:
     """model_type -> target key -> None (supported) or the reason."""
-    return {m: {t.key: cell(t.key, m) for t in TARGETS} for m in ARCHS}
+    return {m: {t.key: cell(t.key, m) for t in TARGETS} for m in model_types()}

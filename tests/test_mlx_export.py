@@ -42,8 +42,8 @@ def bases(zoo, tmp_path_factory):
 
     def get(arch: str, tied: bool = False) -> Path:
         if (arch, tied) not in made:
-            if arch == "gemma3_text":
-                made[arch, tied] = make_base(arch, root / f"gemma-{tied}", tied=tied, dims=GEMMA_DIMS)
+            if arch in ("gemma3_text", "gemma3"):  # a global layer, as mlx-lm's Gemma 3 needs one
+                made[arch, tied] = make_base(arch, root / f"{arch}-{tied}", tied=tied, dims=GEMMA_DIMS)
             else:
                 made[arch, tied] = zoo.base(arch, tied=tied)
         return made[arch, tied]

@@ -10,6 +10,7 @@ import torch
 
 ADDED_TOKENS = ["<|tool|>", "<|think|>", "<|answer|>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LANGUAGE_MODEL_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,11 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
     if spec.add_tokens:
         tok.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
         model.resize_token_embeddings(len(tok))
-    peft_model = get_peft_model(model, LoraConfig(**spec.lora))
+    lora = dict(spec.lora)
+    if lora.get("target_modules") == "all-linear" and hasattr(model, "model") and hasattr(model.model,
+                                                                                           "language_model"):
+        lora["target_modules"] = LANGUAGE_MODEL_LINEARS  # a multimodal model: the language model's linears
+    peft_model = get_peft_model(model, LoraConfig(**lora))
     _randomize(peft_model, seed)
     if customize:
         customize(peft_model)

@@ -20,6 +20,7 @@ class TinyArch:
     tokenizer: str  # key of TOKENIZER_WRITERS
     extra: tuple[tuple[str, object], ...] = ()
     always_tied: bool = False  # real checkpoints are all tied (and llama.cpp needs it)
+    text_config_class: str | None = None  # multimodal: the text model's config class (a tiny vision tower too)
 
 
 TINY_ARCHS: dict[str, TinyArch] = {
@@ -35,6 +36,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     # transformers' defaults otherwise: query_pre_attn_scalar 256, soft-caps 50 (attention) and 30 (final)
     "gemma2": TinyArch("gemma2", "Gemma2Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
                        always_tied=True),
+    # Gemma 3 4B-27B: Gemma3ForConditionalGeneration, the text model above plus a tiny SigLIP vision tower
+    "gemma3": TinyArch("gemma3", "Gemma3Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
+                       always_tied=True, text_config_class="Gemma3TextConfig"),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
     # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
     "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
@@ -80,7 +84,8 @@ def make_base(
     TOKENIZER_WRITERS[spec.tokenizer](out)
     tok = AutoTokenizer.from_pretrained(out)
     config_cls = getattr(transformers, spec.config_class)
-    config = config_cls(
+    text_cls = getattr(transformers, spec.text_config_class or spec.config_class)
+    config = text_cls(
         vocab_size=len(tok),
         tie_word_embeddings=tied or spec.always_tied,
         bos_token_id=tok.bos_token_id,
@@ -88,6 +93,13 @@ def make_base(
         pad_token_id=tok.pad_token_id,
         **{**TINY_DIMS, **dict(spec.extra), **(dims or {})},  # dims override the architecture's extras
     )
+    if spec.text_config_class:  # head size 32 in the vision tower too (vLLM's CPU attention)
+        vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=8)
+        n = len(tok)
+        config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                            image_token_index=n - 3, boi_token_index=n - 2, eoi_token_index=n - 1,
+                            tie_word_embeddings=config.tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1 so that norm handling is tested too

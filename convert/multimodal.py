@@ -1,0 +1,108 @@
+"""Multimodal checkpoints whose text model text-only targets export: the text tower as a checkpoint of its
+own (tensor names, config) and adapters renamed to match; the vision tower is dropped with a note, and an
+adapter that changes it is refused with the reason.
+
+Gemma 3 (4B/12B/27B, ``Gemma3ForConditionalGeneration``) stores its text model under ``language_model.model``
+(the hub's layout, which transformers 5 still writes) or ``model.language_model`` (transformers 5 in memory,
+hence PEFT's module names); its ``text_config`` leaves most values to ``Gemma3TextConfig``'s defaults, so the
+view's config is that class's full dict.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, replace
+
+from .adapter import Adapter
+from .checkpoint import Checkpoint
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextTower:
+    text_model_type: str  # the text model's model_type, an ARCHS entry
+    config_class: str  # transformers config class that fills the text_config's defaults
+    renames: tuple[tuple[str, str], ...]  # name prefix in the checkpoint or adapter -> in the text model
+    vision: tuple[str, ...]  # prefixes of the parts text-only targets drop
+    inherited: tuple[str, ...] = ("tie_word_embeddings",)  # top-level keys the text model takes
+
+
+TEXT_TOWERS: dict[str, TextTower] = {
+    "gemma3": TextTower(
+        "gemma3_text", "Gemma3TextConfig",
+        renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
+        vision=("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."),
+    ),
+}
+TEXT_ONLY_TARGETS = ("gguf", "mlx")  # what exports the text tower alone
+
+
+def _rename(tower: TextTower, name: str) -> str | None:
+    """The text model's name for ``name``; None for the vision parts (and names of neither)."""
+    for old, new in tower.renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None
+
+
+def text_config(tower: TextTower, config: dict) -> dict:
+    import transformers
+
+    cls = getattr(transformers, tower.config_class)
+    text = dict(config.get("text_config") or {})
+    text.pop("model_type", None)
+    for key in tower.inherited:
+        if key in config:
+            text[key] = config[key]
+    full = cls(**text).to_dict()
+    return {**full, **{k: v for k, v in text.items() if k not in full}}  # and what the class keeps aside
+
+
+def text_tower_view(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` seen as its text model: names renamed, vision tensors left out, the text config."""
+    tower = TEXT_TOWERS[ckpt.model_type]
+    view = copy.copy(ckpt)
+    view.config = text_config(tower, ckpt.config)
+    view.model_type = tower.text_model_type
+    view._where, view._metas, view._source = {}, {}, {}
+    dropped = 0
+    for name in ckpt.names():
+        new = _rename(tower, name)
+        if new is None:
+            if not name.startswith(tower.vision):
+                raise UserError(f"{ckpt.path}: tensor {name} is neither in the text model nor in the vision tower",
+                                "pass an unmodified checkpoint")
+            dropped += 1
+            continue
+        view._where[new] = ckpt._where[name]
+        view._metas[new] = replace(ckpt.meta(name), name=new) if hasattr(ckpt.meta(name), "name") else ckpt.meta(name)
+        view._source[new] = name
+    view.notes = [*getattr(ckpt, "notes", []), f"{ckpt.model_type}: the text model exported ({dropped} vision-tower "
+                                                "tensors left out: this target runs text only)"]
+    original_read = ckpt.read
+    view.read = lambda name: original_read(view._source[name])  # type: ignore[method-assign]
+    return view
+
+
+def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapter:
+    """``adapter`` renamed for the text view; a module in the vision tower is refused with the reason."""
+    tower = TEXT_TOWERS[model_type]
+    vision = sorted(m.module for m in adapter.modules.values() if _rename(tower, m.target) is None)
+    vision += sorted(n for n in adapter.replacements if _rename(tower, n) is None)
+    if vision:
+        raise UserError(f"adapter {adapter.name} changes the vision tower ({vision[0]}"
+                        f"{f' and {len(vision) - 1} more' if len(vision) > 1 else ''}), which --target {target} "
+                        "drops: its outputs would differ on images", "export it for vLLM, which keeps the vision tower "
+                        "(not supported by tuneport yet), or train the adapter on the language model only")
+    out = copy.copy(adapter)
+    out.modules = {}
+    for mod in adapter.modules.values():
+        module = _rename(tower, mod.target).removesuffix(".weight")
+        out.modules[f"{module}.weight"] = replace(mod, module=module)
+    out.replacements = {_rename(tower, n): t for n, t in adapter.replacements.items()}
+    out.replacement_origin = {_rename(tower, n): o for n, o in adapter.replacement_origin.items()}
+    return out

@@ -1,0 +1,52 @@
+"""Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration): text-only targets export the text model
+(parity in tests/test_gguf_export.py and tests/test_mlx_export.py, parametrized from the support matrix); here:
+the vision tower is left out with a note, an adapter that changes it is refused, and targets that would have
+to keep it refuse the checkpoint with the reason — exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def vision_adapter(zoo, tmp_path_factory):
+    """LoRA on q_proj of both towers."""
+
+    out = tmp_path_factory.mktemp("mm") / "vision-lora"
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(zoo.base("gemma3"), dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=r".*(vision_tower|language_model).*\.q_proj")
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def test_text_model_exported_and_vision_tower_left_out_with_a_note(zoo, tmp_path, cli):
+    code, out, err = cli("export", "--target", "gguf", "--json", "--base", zoo.base("gemma3"), "--quant", "f32",
+                         "--adapters", "separate", "--adapter", f"a={zoo.adapter('gemma3', 'all_linear')}",
+                         "--out", tmp_path / "gguf")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any("vision-tower tensors left out" in n for n in notes), notes
+
+
+def test_adapter_on_the_vision_tower_is_refused_for_text_only_targets(zoo, tmp_path, cli, vision_adapter):
+    for target in ("gguf", "mlx"):
+        out = tmp_path / target
+        code, _, err = cli("export", "--target", target, "--base", zoo.base("gemma3"), "--adapter", vision_adapter,
+                           "--out", out)
+        assert code == 2 and "changes the vision tower" in err and "Traceback" not in err, err
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("target", ["safetensors", "vllm", "awq", "exl3"])
+def test_targets_that_keep_the_vision_tower_refuse_with_the_reason(zoo, tmp_path, cli, target):
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--target", target, "--base", zoo.base("gemma3"), "--out", out)
+    assert code == 2 and not out.exists(), err
+    assert "does not export multimodal gemma3" in err or "CUDA" in err, err  # exl3 asks for CUDA first
