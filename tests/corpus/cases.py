@@ -418,15 +418,15 @@ def _(w):
 
 @case("config", "no-model-type",
       "error: config.json names no model_type: add the model_type of its architecture (tuneport "
-      "supports: gemma3_text, llama, mistral, phi3, qwen2, qwen3)")
+      "supports: gemma2, gemma3_text, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3)")
 def _(w):
     w.json_edit(w.base / "config.json", lambda c: c.pop("model_type"))
     return w.export_gguf()
 
 
 @case("config", "unknown-architecture",
-      "error: unsupported architecture 'mamba': tuneport supports: gemma3_text, llama, mistral, phi3, "
-      "qwen2, qwen3")
+      "error: unsupported architecture 'mamba': tuneport supports: gemma2, gemma3_text, granite, llama, "
+      "mistral, olmo2, phi3, qwen2, qwen3, smollm3")
 def _(w):
     w.config(model_type="mamba", architectures=["MambaForCausalLM"])
     return w.export_gguf()
