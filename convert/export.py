@@ -145,11 +145,13 @@ def target_for(name: str) -> Target:
         raise UserError(f"unknown --target {name!r}", f"use one of {', '.join(TARGETS)}") from None
 
 
-def check_base(ckpt: Checkpoint, target: str) -> None:
-    """Raise the first reason ``target`` cannot be exported from ``ckpt`` (exporters and ``inspect`` ask this)."""
+def check_base(ckpt: Checkpoint, target: str) -> Checkpoint:
+    """Raise the first reason ``target`` cannot be exported from ``ckpt`` (exporters and ``inspect`` ask this);
+    the checkpoint the target exports (``for_target``)."""
     ckpt = for_target(ckpt, target)
     for check in TARGETS[target].checks if target in TARGETS else (unquantized,):
         check(ckpt)
+    return ckpt
 
 
 def for_target(ckpt: Checkpoint, target: str) -> Checkpoint:
@@ -187,8 +189,7 @@ def open_inputs(opts: MergeOptions, target: str) -> tuple[Checkpoint, list[Weigh
 
     check_output_path(opts.out, opts.force)
     ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
-    check_base(ckpt, target)
-    view = for_target(ckpt, target)
+    view = check_base(ckpt, target)
     loaded = load_weighted(opts.adapters, opts.allow_pickle)
     if view is not ckpt:
         loaded = [WeightedAdapter(text_tower_adapter(w.adapter, ckpt.model_type, target), w.weight) for w in loaded]
