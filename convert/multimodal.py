@@ -11,14 +11,11 @@ view's config is that class's full dict.
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, replace
 
 from .adapter import Adapter
 from .checkpoint import Checkpoint
 from .errors import UserError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ def text_tower_view(ckpt: Checkpoint) -> Checkpoint:
             dropped += 1
             continue
         view._where[new] = ckpt._where[name]
-        view._metas[new] = replace(ckpt.meta(name), name=new) if hasattr(ckpt.meta(name), "name") else ckpt.meta(name)
+        view._metas[new] = replace(ckpt.meta(name), name=new)
         view._source[new] = name
     view.notes = [*getattr(ckpt, "notes", []), f"{ckpt.model_type}: the text model exported ({dropped} vision-tower "
                                                 "tensors left out: this target runs text only)"]

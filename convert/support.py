@@ -7,6 +7,7 @@ take their architectures from it, so a new table entry is tested on every target
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from .arch import ARCHS
@@ -36,6 +37,13 @@ TARGETS: tuple[Target, ...] = (
            ("tests/test_exl3.py::test_every_architecture_writes_and_decodes",)),
 )
 
+# target -> "module:function" under tuneport.convert that says why it refuses a model_type (None: it
+# exports it); merge and vLLM read the HF layout as it is, so every architecture in ARCHS.
+REFUSALS: dict[str, str] = {
+    "merge": ":", "vllm": ":", "gguf": "gguf.model:gguf_refusal", "awq": "awq.archs:awq_refusal",
+    "mlx": "mlx.archs:mlx_refusal", "exl3": "exl3.converter:exl3_refusal",
+}
+
 # Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.
 NOT_YET: dict[str, str] = {
     "mixtral": "Mixtral (mixture of experts)",
@@ -54,25 +62,10 @@ def cell(target: str, model_type: str) -> str | None:
         return cell(target, TEXT_TOWERS[model_type].text_model_type)
     if model_type not in ARCHS:
         return NOT_YET_REASON
-    if target in ("merge", "vllm"):
-        return None  # the HF layout, read by transformers and vLLM as they are
-    if target == "gguf":
-        from .gguf.model import GGUF_ARCHS
-
-        return None if model_type in GGUF_ARCHS else "no GGUF table entry"
-    if target == "awq":
-        from .awq.archs import AWQ_ARCHS, NOT_SUPPORTED
-
-        return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
-    if target == "mlx":
-        from .mlx.archs import MLX_ARCHS, MLX_NOT_SUPPORTED
-
-        return None if model_type in MLX_ARCHS else MLX_NOT_SUPPORTED.get(model_type, "no MLX table entry")
-    if target == "exl3":
-        from .exl3.converter import exl3_refusal
-
-        return exl3_refusal(model_type)
-    raise KeyError(target)
+    module, function = REFUSALS[target].split(":")
+    if not module:
+        return None
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)(model_type)
 
 
 def model_types() -> list[str]:

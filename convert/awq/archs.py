@@ -70,9 +70,13 @@ NOT_SUPPORTED = {
 }
 
 
+def awq_refusal(model_type: str) -> str | None:
+    """Why AWQ refuses ``model_type``, or None."""
+    return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
+
+
 def awq_arch_for(model_type: str) -> AWQArch:
-    if model_type in AWQ_ARCHS:
+    if (why := awq_refusal(model_type)) is None:
         return AWQ_ARCHS[model_type]
-    why = NOT_SUPPORTED.get(model_type, "no AWQ table entry")
     raise UserError(f"AWQ does not support architecture {model_type!r} ({why})",
                     f"supported: {', '.join(sorted(AWQ_ARCHS))}; use --target vllm or gguf for this base")

@@ -66,6 +66,11 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
 DROPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
 
+def gguf_refusal(model_type: str) -> str | None:
+    """Why the GGUF export refuses ``model_type``, or None."""
+    return None if model_type in GGUF_ARCHS else "no GGUF table entry"
+
+
 def gguf_arch_for(arch: ArchSpec) -> GGUFArch:
     try:
         return GGUF_ARCHS[arch.model_type]
@@ -181,15 +186,14 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         else:
             qtype = direct_type
         transform = None
-        if (heads := qk_heads(arch, config, name.rsplit(".", 1)[0])) is not None:
+        module = name.rsplit(".", 1)[0]
+        offset = garch.norm_offset if name.endswith("norm.weight") else 0.0
+        scale = (plan.facts.q_norm_factor if module.endswith("q_norm")
+                 else plan.facts.q_proj_factor if module.endswith("q_proj") else None)
+        if (heads := qk_heads(arch, config, module)) is not None:
             transform = lambda t, h=heads: permute_qk(t, h)  # noqa: E731
-        elif garch.norm_offset and name.endswith("norm.weight"):
-            scale = plan.facts.q_norm_factor if name.endswith("q_norm.weight") else None
-            transform = lambda t, o=garch.norm_offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
-        elif plan.facts.q_norm_factor and name.endswith("q_norm.weight"):
-            transform = lambda t, s=plan.facts.q_norm_factor: t.float() * s  # noqa: E731
-        elif plan.facts.q_proj_factor and name.rsplit(".", 1)[0].endswith("q_proj"):
-            transform = lambda t, s=plan.facts.q_proj_factor: t.float() * s  # noqa: E731
+        elif offset or scale:  # Gemma's (w - 1) norms; a query scale folded by the config audit
+            transform = lambda t, o=offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
     if rp["rope_type"] == "llama3":

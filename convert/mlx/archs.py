@@ -126,13 +126,16 @@ MLX_NOT_SUPPORTED = {
 }
 
 
+def mlx_refusal(model_type: str) -> str | None:
+    """Why --target mlx refuses ``model_type``, or None."""
+    return None if model_type in MLX_ARCHS else MLX_NOT_SUPPORTED.get(model_type, "no MLX table entry")
+
+
 def mlx_arch_for(model_type: str | None) -> MlxArch:
-    try:
+    if (why := mlx_refusal(str(model_type))) is None:
         return MLX_ARCHS[str(model_type)]
-    except KeyError:
-        why = MLX_NOT_SUPPORTED.get(str(model_type))
-        raise UserError(f"--target mlx does not know architecture {model_type!r}" + (f" ({why})" if why else ""),
-                        f"it exports: {', '.join(MLX_ARCHS)}") from None
+    raise UserError(f"--target mlx does not know architecture {model_type!r} ({why})",
+                    f"it exports: {', '.join(MLX_ARCHS)}")
 
 
 def mlx_config(cfg: dict) -> tuple[dict, list[str]]:
