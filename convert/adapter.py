@@ -47,7 +47,7 @@ CONFIG_KEYS: dict[str, str | Callable[[object], str]] = {
     **dict.fromkeys(
         ["r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "use_dora", "modules_to_save",
          "fan_in_fan_out", "bias", "lora_bias", "target_modules", "exclude_modules", "layers_to_transform",
-         "layers_pattern", "ensure_weight_tying"],
+         "layers_pattern", "ensure_weight_tying", "target_parameters"],
         "honoured",
     ),
     **dict.fromkeys(
@@ -65,7 +65,6 @@ CONFIG_KEYS: dict[str, str | Callable[[object], str]] = {
     "layer_replication": _set("layer_replication changes the model's layer structure"),
     "use_bdlora": _set("block-diagonal LoRA (BD-LoRA) is not supported"),
     "use_qalora": _set("QALoRA adapters belong to a quantized base"),
-    "target_parameters": _set("LoRA on raw parameters (target_parameters, e.g. MoE experts) is not supported yet"),
     "megatron_config": _set("Megatron-parallel LoRA layers are not supported"),
     "trainable_token_indices": _set("trainable tokens (trainable_token_indices) are not supported yet: "
                                     "merge with PEFT's merge_and_unload() first"),
@@ -118,6 +117,18 @@ class LoraModule:
 
 
 @dataclass
+class ParamLora:
+    """A LoRA on a raw parameter (PEFT ``target_parameters``), before it is resolved against the base:
+    for a 3-D expert parameter ``[E, out, in]``, ``A [E·r, in]`` (expert-major rows) and ``B [out, r·E]``
+    (rank-major columns), PEFT's ``ParamWrapper`` layout; a 2-D parameter is a plain LoRA."""
+
+    container: str  # the module holding the parameter, ``.base_layer`` wrappers removed
+    depth: int  # how many ParamWrappers wrap it (PEFT nests one per targeted parameter of a module)
+    A: torch.Tensor
+    B: torch.Tensor
+
+
+@dataclass
 class Adapter:
     path: Path
     name: str
@@ -128,6 +139,8 @@ class Adapter:
     replacement_origin: dict[str, str] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
     file: Path | None = None
+    # LoRAs on raw parameters (MoE experts), resolved into per-expert ``modules`` by convert.experts
+    param_loras: list[ParamLora] = field(default_factory=list)
 
     @property
     def use_dora(self) -> bool:
@@ -321,7 +334,16 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     rslora, fifo = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    # modules holding a targeted parameter: named in target_parameters ("mlp.experts.down_proj"), or
+    # transformers' fused "experts" for bare names ("down_proj"), or wrapped more than once
+    targets = cfg.get("target_parameters") or []
+    containers = {t.rsplit(".", 2)[-2] if "." in t else "experts" for t in targets}
     for module, p in parts.items():
+        container = re.sub(r"(\.base_layer)+$", "", module)
+        if targets and (container != module or container.rsplit(".", 1)[-1] in containers) \
+                and set(p) == {"lora_A", "lora_B"}:
+            adapter.param_loras.append(ParamLora(container, module.count(".base_layer"), p["lora_A"], p["lora_B"]))
+            continue
         kind = "embedding" if "lora_embedding_A" in p or "lora_embedding_B" in p else "linear"
         a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if kind == "embedding" else ("lora_A", "lora_B")
         if lacks := [k for k in (a_key, b_key) if k not in p]:

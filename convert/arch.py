@@ -13,6 +13,24 @@ LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """Where a mixture-of-experts block keeps its weights: transformers 5 fuses each layer's experts into
+    3-D parameters in memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) but saves
+    them per expert, under the names checkpoints have always used."""
+
+    disk_block: str  # the MoE block's name on disk (``block_sparse_moe`` for Mixtral, ``mlp`` for Qwen3-MoE)
+    gate: str  # per-expert gate projection on disk (first half of gate_up_proj)
+    up: str  # per-expert up projection (second half)
+    down: str
+    expert_count_keys: tuple[str, ...] = ("num_local_experts", "num_experts")
+    memory_block: str = "mlp"  # the block's name in transformers 5's module tree
+    router: str = "gate"  # the router (a [E, H] linear) inside the block, both in memory and on disk
+
+    def expert_count(self, config: dict) -> int:
+        return int(next(config[k] for k in self.expert_count_keys if config.get(k) is not None))
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """What tuneport knows about one architecture."""
 
@@ -31,6 +49,7 @@ class ArchSpec:
     exl3_loads_lora: bool = False  # ExLlamaV3 (TabbyAPI) loads no LoRA: merge first
     # transformers' attention implementation for the reference, where its default computes something else
     reference_attention: str | None = None
+    experts: ExpertLayout | None = None  # a mixture-of-experts architecture
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -115,6 +134,27 @@ ARCHS: dict[str, ArchSpec] = {
         gguf_arch="smollm3",
         rope_style="normal",
         notes=("every 4th layer without RoPE (no_rope_layers)",),
+    ),
+    "mixtral": ArchSpec(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        gguf_arch="llama",
+        rope_style="normal",
+        linear_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        vllm_lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        experts=ExpertLayout("block_sparse_moe", "w1", "w3", "w2"),
+        notes=("mixture of experts: a router and per-expert w1/w3/w2 under block_sparse_moe on disk (transformers 5 "
+               "fuses them into mlp.experts in memory)",),
+    ),
+    "qwen3_moe": ArchSpec(
+        "qwen3_moe",
+        ("Qwen3MoeForCausalLM",),
+        gguf_arch="qwen3moe",
+        rope_style="neox",
+        linear_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        vllm_lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        experts=ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+        notes=("mixture of experts: a router and per-expert gate/up/down projections; per-head q_norm / k_norm",),
     ),
 }
 

@@ -66,7 +66,12 @@ def check_hf_dir(path: Path, tensors: bool = True) -> str:
                             HINT) from e
     if not tensors:
         return "loaded by transformers' readers: config, tokenizer (quantized tensors are vLLM's to read)"
+    from .arch import known_arch
+    from .experts import disk_shapes
+
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if (arch := known_arch(getattr(model.config, "model_type", None))) is not None:
+        expected = disk_shapes(arch, expected)  # mixture-of-experts: one tensor per expert on disk
     written = _written_shapes(path)
     missing = sorted(set(expected) - set(written) - _tied_keys(model))
     unexpected = sorted(set(written) - set(expected))

@@ -63,7 +63,11 @@ def _mismatch(adapter: Adapter, tensor: str, base_shape, adapter_shape) -> UserE
 
 def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "auto") -> MergePlan:
     """Check every adapter against the base and decide the output; raises UserError on a misfit."""
+    from .experts import fit_to_base
+
     check_choice("--dtype", dtype, tuple(OUT_DTYPES))
+    for w in adapters:
+        fit_to_base(w.adapter, base)  # mixture-of-experts LoRA in the checkpoint's per-expert layout
     plan = MergePlan(base, adapters, OUT_DTYPES[dtype])
     plan.notes.extend(getattr(base, "notes", []))  # e.g. a multimodal checkpoint's text model, exported alone
     arch = base.arch

@@ -11,7 +11,9 @@ from conftest import ARCHS
 import tuneport
 from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
+from tuneport.convert.arch import known_arch
 from tuneport.toolkit.tiny import VARIANTS
+from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 
 TOL = 1e-4
 
@@ -24,6 +26,24 @@ def test_every_architecture_merges_like_peft(zoo, tmp_path, ids, arch):
     merged = logits(load_hf(tmp_path / "merged"), ids)
     unmerged = logits(load_peft(base, adapter), ids)
     assert (merged - unmerged).abs().max().item() <= TOL
+    assert (unmerged - logits(load_hf(base), ids)).abs().max().item() > 0.1
+
+
+MOE = [a for a in supported("merge") if (spec := known_arch(a)) is not None and spec.experts is not None]
+
+
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_lora_merges_exactly(zoo, tmp_path, ids, arch, variant):
+    """LoRA on the experts, as PEFT trains it over transformers 5's fused parameters (target_parameters) and as
+    transformers 4 trained it (one module per expert, which PEFT converts on load): merged = PEFT, merged or not."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, variant)
+    tuneport.merge(base=base, adapters=[adapter], out=tmp_path / "merged")
+    merged = logits(load_hf(tmp_path / "merged"), ids)
+    peft_model = load_peft(base, adapter)
+    unmerged = logits(peft_model, ids)
+    assert (merged - unmerged).abs().max().item() <= TOL
+    assert (merged - logits(peft_model.merge_and_unload(), ids)).abs().max().item() <= TOL
     assert (unmerged - logits(load_hf(base), ids)).abs().max().item() > 0.1
 
 

@@ -59,4 +59,5 @@ class TinyZoo:
 
     def base_for(self, arch: str, variant: str, dtype: str = "fp32", wide: bool = False) -> Path:
         """The base an adapter variant was made on (tied bases for the tied variant)."""
-        return self.base(arch, dtype, tied=VARIANTS[variant].tied_base, wide=wide)
+        spec = VARIANTS.get(variant)
+        return self.base(arch, dtype, tied=spec is not None and spec.tied_base, wide=wide)

@@ -62,6 +62,18 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+# Mixture-of-experts adapters (their bases only): LoRA on transformers 5's fused expert parameters, as
+# PEFT trains it there, and the per-expert modules transformers 4 trained (make_per_expert_adapter).
+MOE_VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("experts", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+        Variant("per_expert", {}),
+    ]
+}
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Give every trainable adapter tensor non-zero, seeded values (PEFT starts B at zero)."""
     gen = torch.Generator().manual_seed(seed)
@@ -84,7 +96,9 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = VARIANTS[variant]
+    if variant == "per_expert":
+        return make_per_expert_adapter(base_dir, out, seed)
+    spec = {**VARIANTS, **MOE_VARIANTS}[variant]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(base_dir)
@@ -103,4 +117,37 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
     peft_model.save_pretrained(out)
     if spec.add_tokens:
         tok.save_pretrained(out)
+    return out
+
+
+def make_per_expert_adapter(base_dir: Path, out: Path, seed: int = 1, r: int = 4, alpha: int = 8) -> Path:
+    """A mixture-of-experts LoRA as transformers 4 trained it: one module per expert projection, under the
+    checkpoint's own names (Mixtral ``block_sparse_moe.experts.{e}.w1``), plus q_proj. transformers 5 has no
+    such modules (it fuses the experts), so it is written directly; PEFT converts it when loading it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ...convert.arch import arch_for
+    from ...convert.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(base_dir)
+    layout = arch_for(ckpt.model_type).experts
+    assert layout is not None, f"{ckpt.model_type} has no experts"
+    gen = torch.Generator().manual_seed(seed)
+    projections = (layout.gate, layout.up, layout.down, "q_proj")
+    tensors = {}
+    for name in ckpt.names():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] not in projections:
+            continue
+        rows, cols = ckpt.meta(name).shape
+        tensors[f"base_model.model.{module}.lora_A.weight"] = 0.15 * torch.randn(r, cols, generator=gen)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = 0.15 * torch.randn(rows, r, generator=gen)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "target_modules": list(projections), "bias": "none", "base_model_name_or_path": str(base_dir)}, indent=2))
     return out

@@ -46,6 +46,14 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("logits_scaling", 2.0))),
     # 4 layers: the 4th runs without RoPE (no_rope_layer_interval 4)
     "smollm3": TinyArch("smollm3", "SmolLM3Config", "bpe", (("num_hidden_layers", 4),)),
+    # 4 experts, 2 per token (Mixtral 8x7B: 8 and 2)
+    "mixtral": TinyArch("mixtral", "MixtralConfig", "sentencepiece", (
+        ("sliding_window", None), ("num_local_experts", 4), ("num_experts_per_tok", 2))),
+    # Qwen3-30B-A3B's choices: top-k weights renormalized, every layer sparse, experts narrower than the MLP
+    "qwen3_moe": TinyArch("qwen3_moe", "Qwen3MoeConfig", "bpe", (
+        ("use_sliding_window", False), ("head_dim", 32), ("num_experts", 4), ("num_experts_per_tok", 2),
+        ("moe_intermediate_size", 64), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
+        ("mlp_only_layers", []))),
 }
 
 # Head dim 32: the smallest the vLLM CPU attention backend accepts.

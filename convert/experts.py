@@ -1,0 +1,138 @@
+"""Mixture-of-experts adapters in the checkpoint's on-disk layout: one LoRA per expert projection.
+
+transformers 5 fuses a layer's experts into 3-D parameters in memory, so PEFT trains LoRA on them through
+``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``, the router ``mlp.gate.weight``).
+Checkpoints keep one tensor per expert on disk (Mixtral ``block_sparse_moe.experts.{e}.w1``, Qwen3-MoE
+``mlp.experts.{e}.gate_proj``), and so do adapters trained with transformers 4. Everything downstream (merge,
+GGUF LoRA) works on the disk names, so a fused LoRA is split here, exactly: expert ``e`` of PEFT's
+``ParamWrapper`` is ``scale · B[:, :, e] @ A[e]``, and its gate/up halves are the two halves of B's rows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+
+from .adapter import Adapter, LoraModule, ParamLora, pattern_value
+from .arch import ArchSpec, ExpertLayout
+from .checkpoint import Checkpoint
+from .errors import UserError
+
+FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused expert parameters
+
+
+def fit_to_base(adapter: Adapter, base: Checkpoint) -> Adapter:
+    """``adapter`` with its modules named as ``base`` stores them: memory-only names (Mixtral's router
+    ``mlp.gate``) renamed, LoRAs on fused expert parameters split per expert. Idempotent, in place."""
+    arch = base.arch
+    layout = arch.experts if arch is not None else None
+    if layout is None:
+        if adapter.param_loras:
+            targets = ", ".join(adapter.config.get("target_parameters") or [])
+            raise UserError(f"adapter {adapter.name} has LoRA on raw parameters ({targets}), which "
+                            f"{base.model_type or 'this base'} has no experts for",
+                            "the adapter was trained on another model: pass the base it was trained on")
+        return adapter
+    _rename_router(adapter, layout)
+    n_experts = layout.expert_count(base.config)
+    for p in adapter.param_loras:
+        for mod in _split(adapter, p, arch, layout, n_experts, base):
+            adapter.modules[mod.target] = mod
+    adapter.param_loras = []
+    return adapter
+
+
+def _rename_router(adapter: Adapter, layout: ExpertLayout) -> None:
+    if layout.memory_block == layout.disk_block:
+        return
+    memory = re.compile(rf"^(.*\.\d+)\.{layout.memory_block}\.{layout.router}$")
+    for target, mod in list(adapter.modules.items()):
+        if m := memory.match(mod.module):
+            del adapter.modules[target]
+            mod.module = f"{m[1]}.{layout.disk_block}.{layout.router}"
+            adapter.modules[mod.target] = mod
+
+
+def _rank_alpha(adapter: Adapter, parameter: str, rank: int) -> tuple[float, float]:
+    cfg = adapter.config
+    expected = int(pattern_value(cfg.get("rank_pattern") or {}, parameter) or cfg["r"])
+    if expected != rank:
+        raise UserError(f"adapter {adapter.path}: {parameter} has rank {rank}, config says {expected}",
+                        "adapter_config.json does not belong to these weights")
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, parameter) or cfg["lora_alpha"])
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return alpha, scale
+
+
+def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout, n_experts: int,
+           base: Checkpoint) -> list[LoraModule]:
+    A, B = p.A, p.B
+    if A.dim() != 2 or B.dim() != 2 or B.shape[1] != A.shape[0]:
+        raise UserError(f"adapter {adapter.path}: {p.container} has lora_A {list(A.shape)} and lora_B "
+                        f"{list(B.shape)}, not a LoRA pair", "the adapter file is corrupt: re-save it")
+    m = re.match(rf"^(.*\.\d+)\.{layout.memory_block}\.(experts|{layout.router})$", p.container)
+    if m is None:
+        raise UserError(f"adapter {adapter.name}: LoRA on a raw parameter of {p.container}, which tuneport does not "
+                        f"know for {arch.model_type} (it knows {layout.memory_block}.experts.gate_up_proj, "
+                        f"down_proj and {layout.memory_block}.{layout.router}.weight)", "merge it with PEFT first")
+    layer, kind = m[1], m[2]
+    disk = f"{layer}.{layout.disk_block}"
+    if kind != "experts":  # the router: a 2-D parameter, a plain LoRA
+        alpha, scale = _rank_alpha(adapter, f"{p.container}.weight", A.shape[0])
+        return [LoraModule(f"{disk}.{layout.router}", "linear", A, B, A.shape[0], alpha, scale)]
+    gate = base.weight_shape(f"{disk}.experts.0.{layout.gate}.weight")
+    if gate is None:
+        raise UserError(f"adapter {adapter.name} targets the experts of {layer}, which the base lacks",
+                        "the adapter was trained on another model: pass the base it was trained on")
+    inter, hidden = gate
+    shapes = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # (in, out) per expert
+    wanted = [t.rsplit(".", 1)[-1] for t in adapter.config.get("target_parameters") or []]
+    fits = [f for f in FUSED if f in wanted and shapes[f] == (A.shape[1], B.shape[0])]
+    if len(fits) != 1 or A.shape[0] % n_experts:
+        raise UserError(f"adapter {adapter.name}: the LoRA on {p.container} (lora_A {list(A.shape)}, lora_B "
+                        f"{list(B.shape)}) fits none of the base's {n_experts} experts",
+                        "the adapter was trained on another model: pass the base it was trained on")
+    fused = fits[0]
+    rank = A.shape[0] // n_experts
+    alpha, scale = _rank_alpha(adapter, f"{p.container}.{fused}", rank)
+    a3 = A.reshape(n_experts, rank, A.shape[1])
+    b3 = B.reshape(B.shape[0], rank, n_experts)
+    out = []
+    for e in range(n_experts):
+        a, b = a3[e].contiguous(), b3[:, :, e].contiguous()
+        parts = ({layout.gate: b[:inter], layout.up: b[inter:]} if fused == "gate_up_proj" else {layout.down: b})
+        out += [LoraModule(f"{disk}.experts.{e}.{proj}", "linear", a, part.contiguous(), rank, alpha, scale)
+                for proj, part in parts.items()]
+    return out
+
+
+def expert_modules(arch: ArchSpec) -> tuple[str, ...]:
+    """The per-expert projection names on disk (empty for a dense architecture)."""
+    layout = arch.experts
+    return () if layout is None else (layout.gate, layout.up, layout.down)
+
+
+
+def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes a checkpoint stores for a model whose transformers 5 state dict has
+    ``memory`` (fused experts split per expert, the router under its disk block); dense models unchanged."""
+    layout = arch.experts
+    if layout is None:
+        return memory
+    fused = re.compile(rf"^(.*\.\d+)\.{layout.memory_block}\.(experts\.(gate_up_proj|down_proj)|{layout.router}\.weight)$")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in memory.items():
+        if (m := fused.match(name)) is None:
+            out[name] = shape
+            continue
+        disk = f"{m[1]}.{layout.disk_block}"
+        if m[3] is None:
+            out[f"{disk}.{layout.router}.weight"] = shape
+            continue
+        n, rows, cols = shape
+        halves = ((layout.gate, rows // 2), (layout.up, rows // 2)) if m[3] == "gate_up_proj" else ((layout.down, rows),)
+        for e in range(n):
+            for proj, r in halves:
+                out[f"{disk}.experts.{e}.{proj}.weight"] = (r, cols)
+    return out
