@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import re
 
-
 from .adapter import Adapter, LoraModule, ParamLora, pattern_value
 from .arch import ArchSpec, ExpertLayout
 from .checkpoint import Checkpoint
@@ -120,7 +119,8 @@ def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str,
     layout = arch.experts
     if layout is None:
         return memory
-    fused = re.compile(rf"^(.*\.\d+)\.{layout.memory_block}\.(experts\.(gate_up_proj|down_proj)|{layout.router}\.weight)$")
+    fused = re.compile(
+        rf"^(.*\.\d+)\.{layout.memory_block}\.(experts\.(gate_up_proj|down_proj)|{layout.router}\.weight)$")
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in memory.items():
         if (m := fused.match(name)) is None:
@@ -131,7 +131,8 @@ def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str,
             out[f"{disk}.{layout.router}.weight"] = shape
             continue
         n, rows, cols = shape
-        halves = ((layout.gate, rows // 2), (layout.up, rows // 2)) if m[3] == "gate_up_proj" else ((layout.down, rows),)
+        halves = (((layout.gate, rows // 2), (layout.up, rows // 2)) if m[3] == "gate_up_proj"
+                  else ((layout.down, rows),))
         for e in range(n):
             for proj, r in halves:
                 out[f"{disk}.experts.{e}.{proj}.weight"] = (r, cols)

@@ -9,9 +9,9 @@ import torch
 from conftest import ARCHS
 
 import tuneport
+from tuneport.convert.arch import known_arch
 from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
-from tuneport.convert.arch import known_arch
 from tuneport.toolkit.tiny import VARIANTS
 from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 
