@@ -94,6 +94,14 @@ CASES = [
     Case("granite", "logits_scaling", {"logits_scaling": 0.25}, "parity"),
     Case("smollm3", "no_rope_layers", {"no_rope_layers": [1, 1, 1, 1]}, "refused: every 4th layer"),
     Case("smollm3", "no_rope_layer_interval", {"no_rope_layer_interval": 2}, "refused: every 4th layer"),
+    Case("mixtral", "num_local_experts", {"num_local_experts": 6}, "parity"),
+    Case("mixtral", "num_experts_per_tok", {"num_experts_per_tok": 3}, "parity"),
+    Case("qwen3_moe", "num_experts", {"num_experts": 6}, "parity",  # real Qwen3-MoE configs' name
+         config_patch={"num_local_experts": None, "num_experts": 6}),
+    Case("qwen3_moe", "moe_intermediate_size", {"moe_intermediate_size": 96}, "parity"),
+    Case("qwen3_moe", "norm_topk_prob", {"norm_topk_prob": False}, "refused: renormalizes"),
+    Case("qwen3_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "refused: every Qwen3-MoE layer"),
+    Case("qwen3_moe", "mlp_only_layers", {"mlp_only_layers": [1]}, "refused: every Qwen3-MoE layer"),
     Case("llama", "unknown key", {}, "refused: not in tuneport's audit", config_patch={"attn_temperature": 0.5}),
 ]
 # Rules that need no case: shapes and context length (every parity test carries them), and inert keys.

@@ -9,9 +9,11 @@ import pytest
 import torch
 from conftest import ARCHS
 
+from tuneport.convert.arch import known_arch
 from tuneport.convert.gguf.quant_types import QUANT_TYPES
 from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
+from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 
 pytestmark = pytest.mark.llamacpp
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
@@ -72,6 +74,51 @@ def test_every_architecture_lora_matches_peft(zoo, tmp_path, cli, arch):
     cmp = gguf_vs(ref, tmp_path / "gguf" / f"{base.name}-F32.gguf", tmp_path / "gguf" / "adapters" / "a-F32.gguf")
     print(f"\n{arch}: LoRA max|d| {cmp.max_abs:.2e}")
     assert cmp.max_abs <= {**TOL, **ARCH_TOL.get(arch, {})}["f32"], cmp
+
+
+MOE = [a for a in supported("gguf") if (spec := known_arch(a)) is not None and spec.experts is not None]
+
+
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_lora_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant):
+    """LoRA on the experts (fused target_parameters, or transformers 4's per-expert modules) as a GGUF LoRA on
+    llama.cpp's stacked expert tensors (applied through mul_mat_id), and merged: both = PEFT."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, variant)
+    sep, merged = tmp_path / "sep", tmp_path / "merged"
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}", "--out", sep)
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "merge", "--adapter", adapter, "--out", merged)
+    ref = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    lora = gguf_vs(ref, sep / f"{base.name}-F32.gguf", sep / "adapters" / "a-F32.gguf")
+    merged_cmp = gguf_vs(ref, merged / f"{base.name}-F32.gguf")
+    print(f"\n{arch} {variant}: LoRA max|d| {lora.max_abs:.2e}, merged {merged_cmp.max_abs:.2e}")
+    assert lora.max_abs <= 1e-4, lora
+    assert merged_cmp.max_abs <= 1e-4, merged_cmp
+    assert (ref - logits(load_hf(base), torch.tensor([IDS]))[0]).abs().max().item() > 0.1
+
+
+def test_mixtral_tensors_equal_llama_cpps_converter(zoo, tmp_path, upstream):
+    """Every tensor of a tiny Mixtral (experts stacked per layer and projection, the router kept F32) has the
+    name, shape, type and bytes llama.cpp's own convert_hf_to_gguf.py writes; so do the expert hyperparameters."""
+    import gguf
+    import numpy as np
+
+    import tuneport
+
+    base = zoo.base("mixtral")
+    theirs = tmp_path / "upstream-F32.gguf"
+    upstream("convert_hf_to_gguf.py", base, "--outfile", theirs, "--outtype", "f32")
+    tuneport.export(base=base, target="gguf", quant="f32", out=tmp_path / "ours")
+    up, ours = gguf.GGUFReader(theirs), gguf.GGUFReader(tmp_path / "ours" / f"{base.name}-F32.gguf")
+    theirs_t, ours_t = {t.name: t for t in up.tensors}, {t.name: t for t in ours.tensors}
+    assert sorted(theirs_t) == sorted(ours_t)
+    assert any(n.endswith("ffn_gate_exps.weight") for n in ours_t)
+    for name, t in theirs_t.items():
+        o = ours_t[name]
+        assert (o.shape.tolist(), o.tensor_type) == (t.shape.tolist(), t.tensor_type), name
+        assert np.array_equal(np.asarray(o.data), np.asarray(t.data)), name
+    for key in ("llama.expert_count", "llama.expert_used_count", "llama.feed_forward_length", "llama.block_count"):
+        assert ours.get_field(key).contents() == up.get_field(key).contents(), key
 
 
 @pytest.mark.parametrize("variant", LORA_VARIANTS)

@@ -178,36 +178,6 @@ def test_python_api_is_the_cli_function():
     assert tuneport.verify is v.verify and tuneport.VerifyOptions is VerifyOptions
 
 
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    """llama.cpp's own converters, from the llama-cpp-python 0.3.36 sdist (skipped without the index)."""
-    import os
-    import subprocess
-    import sys
-    import tarfile
-
-    tmp = tmp_path_factory.mktemp("llamacpp-src")
-    res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                          "llama-cpp-python==0.3.36", "-d", str(tmp)], capture_output=True, text=True)
-    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"), None)
-    if res.returncode != 0 or sdist is None:
-        pytest.skip(f"cannot download the llama-cpp-python sdist: {res.stderr.strip()[-200:]}")
-    wanted = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
-    with tarfile.open(sdist) as tf:
-        members = [m for m in tf.getmembers() if "/vendor/llama.cpp/" in m.name
-                   and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(wanted)]
-        tf.extractall(tmp, members=members, filter="data")
-    src = next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
-
-    def convert(script: str, *args) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{src / 'gguf-py'}:{src}"}
-        done = subprocess.run([sys.executable, str(src / script), *map(str, args)], capture_output=True, text=True,
-                              env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-
-    return convert
-
-
 def test_upstream_converters_are_verified(zoo, upstream, tmp_path):
     """A GGUF and a GGUF LoRA written by llama.cpp's own convert_hf_to_gguf.py / convert_lora_to_gguf.py:
     the model's numbers are exact, and the LoRA of an rsLoRA adapter comes out at the wrong strength

@@ -171,6 +171,27 @@ GGUF_CONFIG_RULES["smollm3"] = {
         4, why="llama.cpp skips RoPE on every 4th layer (n_no_rope_layer_step 4, no GGUF key)")),
 }
 
+MOE = {
+    "num_local_experts": KeyRule("carried", "expert_count"),
+    "num_experts": KeyRule("carried", "expert_count"),
+    "num_experts_per_tok": KeyRule("carried", "expert_used_count"),
+    "router_aux_loss_coef": KeyRule("inert", "a training loss"),
+    "output_router_logits": KeyRule("inert", "returns the router's logits for that loss"),
+    "router_jitter_noise": KeyRule("inert", "applied in training only"),
+}
+GGUF_CONFIG_RULES["mixtral"] = {**COMMON, **NO_SLIDING_GRAPH, **{k: v for k, v in MOE.items() if k != "num_experts"}}
+GGUF_CONFIG_RULES["qwen3_moe"] = {
+    **COMMON, **NO_SLIDING_GRAPH, **MOE,
+    "attention_bias": BIASES["attention_bias"],
+    "moe_intermediate_size": KeyRule("carried", "expert_feed_forward_length"),
+    "norm_topk_prob": KeyRule("refused unless", "true", must_be(
+        True, why="llama.cpp's Qwen3-MoE graph renormalizes the chosen experts' weights")),
+    "decoder_sparse_step": KeyRule("refused unless", "1", must_be(
+        1, why="llama.cpp makes every Qwen3-MoE layer sparse")),
+    "mlp_only_layers": KeyRule("refused unless", "none", must_be(
+        [], None, why="llama.cpp makes every Qwen3-MoE layer sparse")),
+}
+
 
 @dataclass
 class GGUFConfigFacts:

@@ -8,13 +8,14 @@ alpha is chosen so that this is PEFT's scale (rsLoRA: ``alpha·sqrt(r)``); where
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..adapter import Adapter, saved_base_layers
+from ..adapter import Adapter, LoraModule, saved_base_layers
 from ..arch import ArchSpec
 from ..checkpoint import Checkpoint
 from ..errors import UserError
@@ -76,7 +77,13 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
         alpha = alpha * math.sqrt(next(iter(ranks)))
     lora = GGUFLora(alpha)
     q_factor = gguf_config_facts(arch.model_type, cfg).q_proj_factor
+    experts: dict[str, dict[int, LoraModule]] = {}  # stacked GGUF tensor -> expert -> its LoRA
+    expert_key = _expert_pattern(arch)
     for mod in adapter.modules.values():
+        if expert_key and (m := expert_key.match(mod.target)):
+            gname = tmap.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
+            experts.setdefault(gname, {})[int(m[2])] = mod
+            continue
         gname = tmap.get_name(mod.target, try_suffixes=(".weight",))
         if gname is None:
             raise UserError(f"adapter {adapter.name}: {mod.module} has no GGUF tensor name", MERGE_HINT)
@@ -95,7 +102,30 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
                 b = permute_qk(b, heads)
         lora.tensors[f"{gname}.lora_a"] = a
         lora.tensors[f"{gname}.lora_b"] = b
+    for gname, mods in experts.items():
+        _stack_experts(lora, gname, mods, arch.experts.expert_count(cfg))
     return lora
+
+
+def _expert_pattern(arch: ArchSpec) -> re.Pattern | None:
+    layout = arch.experts
+    return None if layout is None else re.compile(rf"^(.*\.{layout.disk_block}\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _stack_experts(lora: GGUFLora, gname: str, mods: dict[int, LoraModule], n_experts: int) -> None:
+    """One layer's expert LoRAs of one projection as llama.cpp applies them to its stacked tensor (through
+    ``mul_mat_id``): ``lora_a [E, R, in]``, ``lora_b [E, out, R]``, every expert's scale folded into its B
+    for the shared ``alpha / R``; ranks below R padded with zeros, experts without a LoRA all zeros."""
+    rank = max(m.rank for m in mods.values())
+    first = next(iter(mods.values()))
+    a = torch.zeros(n_experts, rank, first.A.shape[1])
+    b = torch.zeros(n_experts, first.B.shape[0], rank)
+    for e, mod in mods.items():
+        a[e, :mod.rank] = mod.A.float()
+        b[e, :, :mod.rank] = mod.B.float() * (mod.scale * rank / lora.alpha)
+    lora.tensors[f"{gname}.lora_a"] = a
+    lora.tensors[f"{gname}.lora_b"] = b
+    lora.folded.append(gname)
 
 
 def write_gguf_lora(out: Path, lora: GGUFLora, arch: ArchSpec, name: str) -> None:

@@ -6,6 +6,7 @@ Architecture quirks come from ``GGUF_ARCHS`` (data); names from gguf-py's tensor
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,8 @@ COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 
 SLIDING = (("attention.sliding_window", ("sliding_window",), "u32"),)
+EXPERTS = (("expert_count", ("num_local_experts", "num_experts"), "u32"),
+           ("expert_used_count", ("num_experts_per_tok",), "u32"))
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
     "mistral": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
@@ -62,7 +65,11 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         ("attention.scale", ("attention_multiplier",), "f32"), ("logit_scale", ("logits_scaling",), "f32"),
     ), write_vocab_size=True, write_rope_dims=True),
     "smollm3": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
+    "mixtral": GGUFArch(COMMON_HPARAMS + EXPERTS, write_vocab_size=True, write_rope_dims=True),
+    "qwen3_moe": GGUFArch(COMMON_HPARAMS + EXPERTS + (
+        ("expert_feed_forward_length", ("moe_intermediate_size",), "u32"),)),
 }
+KEEP_F32 = ("_norm.weight", "ffn_gate_inp.weight")  # norms, and the router (as llama.cpp's converter keeps it)
 DROPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
 
@@ -142,6 +149,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     qtype: str  # GGMLQuantizationType name
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    stack: tuple[str, ...] = ()  # mixture of experts: the per-expert tensors stacked into this one, in order
 
     @property
     def nbytes(self) -> int:
@@ -172,14 +180,21 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], n_layers)
     plan = GGUFModelPlan(arch, garch, config, facts=gguf_config_facts(arch.model_type, config))
     tied = config.get("tie_word_embeddings") is True
+    stacks = expert_stacks(arch, config, shapes)
     for name, shape in shapes:
         if name.endswith(DROPPED_SUFFIXES) or (tied and name == f"{arch.lm_head}.weight"):
             continue  # a tied model's stored lm_head is not what transformers computes with
+        if (stacked := stacks.get(name)) is not None:  # an expert: the first one writes the stack
+            if stacked[1][0] == name:
+                gname = tmap.get_name(stacked[0], try_suffixes=(".weight",))
+                qtype = "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type
+                plan.tensors.append(TensorPlan(name, gname, (len(stacked[1]), *shape), qtype, None, stacked[1]))
+            continue
         gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
                             "the checkpoint has weights this architecture does not define")
-        if len(shape) <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight"):
+        if len(shape) <= 1 or gname.endswith(KEEP_F32) or not gname.endswith(".weight"):
             qtype = "F32"
         elif direct_type == "Q8_0" and shape[-1] % 32:
             qtype = "F16"  # llama.cpp's converter does the same
@@ -204,6 +219,31 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         raise UserError(f"RoPE type {rp['rope_type']!r} is not supported for GGUF export",
                         "supported: default, linear, yarn, llama3")
     return plan
+
+
+def expert_stacks(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[int, ...]]]
+                  ) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Per-expert tensor -> (the stacked name gguf-py maps, e.g. ``...block_sparse_moe.experts.w1.weight``, and
+    its experts' tensors in expert order): llama.cpp keeps a layer's experts of one projection in one tensor."""
+    layout = arch.experts
+    if layout is None:
+        return {}
+    pattern = re.compile(rf"^(.*\.{layout.disk_block}\.experts)\.(\d+)\.(\w+)\.weight$")
+    groups: dict[str, dict[int, str]] = {}
+    for name, _ in shapes:
+        if m := pattern.match(name):
+            groups.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = name
+    n = layout.expert_count(config)
+    out = {}
+    for stacked, members in groups.items():
+        if sorted(members) != list(range(n)):
+            missing = sorted(set(range(n)) - set(members))
+            raise UserError(f"{stacked}: config.json counts {n} experts but the weights hold "
+                            f"{'expert ' + str(missing[0]) + ' not' if missing else 'more'}",
+                            "download the missing shards, or repair the expert count in config.json")
+        order = tuple(members[e] for e in range(n))
+        out.update({name: (stacked, order) for name in order})
+    return out
 
 
 def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, name: str) -> None:
@@ -351,7 +391,10 @@ def write_gguf_models(
     total = sum(t.nbytes for t in lead.tensors)
     done = 0
     for i, tp in enumerate(lead.tensors):
-        t = lead.extra[tp.gguf_name] if not tp.hf_name else read(tp.hf_name)
+        if tp.stack:  # a layer's experts of one projection, [E, rows, cols]
+            t = torch.stack([read(name) for name in tp.stack])
+        else:
+            t = lead.extra[tp.gguf_name] if not tp.hf_name else read(tp.hf_name)
         if tp.transform is not None:
             t = tp.transform(t)
         for writer, (_, plan, _) in zip(writers, targets, strict=True):
