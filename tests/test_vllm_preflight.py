@@ -25,3 +25,18 @@ def test_kv_space_is_checked_as_vllm_counts_it(zoo, monkeypatch):
     check_cpu_kv_space(ckpt, ServeOptions(**opts, vllm_args=["--max-model-len", "99999"]))  # vLLM's to judge
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM sizes it from free memory: nothing to check
     check_vllm_cpu(ckpt, ServeOptions(**opts, max_model_len=10**6))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_is_refused_before_vllm_cpu_starts(zoo, cli, arch):
+    """tuneport serve enables LoRA, with which vllm-cpu 0.32 fails to start on a MoE model (Triton kernels
+    only): refused at once with the engine that serves it, before vLLM loads anything."""
+    with pytest.raises(UserError, match="GPU \\(Triton\\) kernels only") as e:
+        check_vllm_cpu(Checkpoint(zoo.base(arch)), ServeOptions(base=str(zoo.base(arch)), engine="vllm"))
+    assert "--engine llamacpp" in e.value.hint
+    from tuneport.serve.vllm_bugs import vllm_platform
+
+    if vllm_platform() != "cpu":
+        return  # a GPU build serves it
+    code, _, err = cli("serve", "--base", zoo.base(arch), "--engine", "vllm", "--port", "0")
+    assert code == 2 and "mixture-of-experts" in err and "Traceback" not in err, err

@@ -34,8 +34,9 @@ def render() -> str:
     lines.append("|---" * (len(TARGETS) + 1) + "|")
     for model_type, row in matrix().items():
         lines.append(f"| `{model_type}` | " + " | ".join(_cell(row[t.key]) for t in TARGETS) + " |")
-    lines += ["", f"Not supported yet ({NOT_YET_REASON}):", ""]
-    lines += [f"- `{m}`: {what}" for m, what in NOT_YET.items()]
+    if NOT_YET:
+        lines += ["", f"Not supported yet ({NOT_YET_REASON}):", ""]
+        lines += [f"- `{m}`: {what}" for m, what in NOT_YET.items()]
     lines += ["", "Engines and the tests behind each column:", ""]
     lines += [f"- **{t.title}**: {t.engine}; " + ", ".join(f"`{x}`" for x in t.tests) for t in TARGETS]
     lines += ["", "Notes per architecture:", ""]

@@ -67,6 +67,8 @@ NOT_SUPPORTED = {
     "gemma2": "Gemma stores norm weights as w - 1 and scales embeddings; its folding is not implemented",
     "granite": "the calibration pass does not apply embedding_multiplier before the first block yet",
     "olmo2": "its norms follow attention and MLP, so no norm precedes q/k/v or gate/up to fold scales into",
+    **dict.fromkeys(("mixtral", "qwen3_moe"), "mixture of experts: the calibration pass runs dense MLPs only (each "
+                    "expert's scales need the tokens the router sends it); not implemented"),
 }
 
 

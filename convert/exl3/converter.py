@@ -36,6 +36,8 @@ EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemm
 EXL3_NOT_SUPPORTED = {
     "granite": "exllamav3 has no architecture for GraniteForCausalLM",
     "olmo2": "exllamav3 has no architecture for Olmo2ForCausalLM (it has Olmo3's)",
+    **dict.fromkeys(("mixtral", "qwen3_moe"), "exllamav3 converts it, but tuneport's layer-by-layer decode check "
+                    "does not cover expert tensors yet"),
 }
 
 

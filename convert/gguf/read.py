@@ -150,6 +150,8 @@ def check_gguf_lora(path: Path, model_arch: str, model_shapes: dict[str, tuple[i
         a, b = ab["lora_a"], ab["lora_b"]
         if base == "token_embd.weight":
             ok = a[0] == shape[0] and b[0] == shape[1] and a[1] == b[1]
+        elif len(shape) == 3:  # stacked experts [E, out, in]: lora_a [E, r, in], lora_b [E, out, r]
+            ok = a[0] == b[0] == shape[0] and a[2] == shape[2] and b[1] == shape[1] and a[1] == b[2]
         else:
             ok = a[1] == shape[1] and b[0] == shape[0] and a[0] == b[1]
         if not ok:

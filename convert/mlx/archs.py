@@ -123,6 +123,8 @@ MLX_ARCHS: dict[str, MlxArch] = {a.model_type: a for a in (
 # Why the others are not in the table (told to the user).
 MLX_NOT_SUPPORTED = {
     "gemma2": "mlx-lm's Gemma 2 has no sliding window, so past the window its outputs differ",
+    **dict.fromkeys(("mixtral", "qwen3_moe"), "mlx-lm stacks the experts (switch_mlp) and takes LoRA on them in "
+                    "its own layout; tuneport does not write that yet"),
 }
 
 
