@@ -1,0 +1,58 @@
+"""Mixture-of-experts adapters that do not fit their base: refused with the reason (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tuneport.convert.arch import ARCHS
+from tuneport.convert.experts import disk_shapes
+
+
+def test_expert_lora_on_another_moe_base_is_refused(zoo, cli, tmp_path):
+    """Mixtral's expert LoRA (4 experts of 256) over Qwen3-MoE (4 experts of 64): no expert fits it."""
+    out = tmp_path / "out"
+    code, _, err = cli("merge", "--base", zoo.base("qwen3_moe"), "--adapter", zoo.adapter("mixtral", "experts"),
+                       "--out", out)
+    assert code == 2 and not out.exists(), err
+    assert "fits none of the base's 4 experts" in err and "Traceback" not in err, err
+
+
+def test_expert_lora_on_a_dense_base_is_refused(zoo, cli, tmp_path):
+    lora = tmp_path / "lora"
+    shutil.copytree(zoo.adapter("llama", "plain"), lora)
+    cfg = json.loads((lora / "adapter_config.json").read_text())
+    (lora / "adapter_config.json").write_text(json.dumps({**cfg, "target_parameters": ["mlp.experts.down_proj"]}))
+    sd = load_file(lora / "adapter_model.safetensors")
+    sd["base_model.model.model.layers.0.mlp.experts.lora_A.weight"] = torch.zeros(32, 256)
+    sd["base_model.model.model.layers.0.mlp.experts.lora_B.weight"] = torch.zeros(128, 32)
+    save_file(sd, lora / "adapter_model.safetensors")
+    code, _, err = cli("merge", "--base", zoo.base("llama"), "--adapter", lora, "--out", tmp_path / "out")
+    assert code == 2 and "LoRA on raw parameters (mlp.experts.down_proj)" in err and "llama" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_expert_count_that_disagrees_with_the_weights_is_refused_for_gguf(zoo, cli, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(zoo.base("mixtral"), base)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 5}))
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--base", base, "--target", "gguf", "--quant", "f32", "--out", out)
+    assert code == 2 and "counts 5 experts" in err and not out.exists(), err
+
+
+def test_disk_shapes_split_the_fused_experts():
+    mlp = "model.layers.0.mlp"
+    memory = {f"{mlp}.experts.gate_up_proj": (2, 6, 4), f"{mlp}.experts.down_proj": (2, 4, 3),
+              f"{mlp}.gate.weight": (2, 4), "model.layers.0.self_attn.q_proj.weight": (4, 4)}
+    disk = disk_shapes(ARCHS["mixtral"], memory)
+    moe = "model.layers.0.block_sparse_moe"
+    want = {f"{moe}.experts.{e}.{w}.weight": (3, 4) for e in (0, 1) for w in ("w1", "w3")}
+    want.update({f"{moe}.experts.{e}.w2.weight": (4, 3) for e in (0, 1)})
+    want.update({f"{moe}.gate.weight": (2, 4), "model.layers.0.self_attn.q_proj.weight": (4, 4)})
+    assert disk == want
+    assert disk_shapes(ARCHS["llama"], memory) is memory
