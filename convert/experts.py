@@ -137,3 +137,28 @@ def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str,
             for proj, r in halves:
                 out[f"{disk}.experts.{e}.{proj}.weight"] = (r, cols)
     return out
+
+
+def expert_groups(arch: ArchSpec, config: dict, names: list[str]) -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """Per-expert tensor -> (its MoE block, e.g. ``model.layers.0.block_sparse_moe``; its projection on disk,
+    e.g. ``w1``; the tensors of that block and projection in expert order): what engines that stack a layer's
+    experts (llama.cpp, mlx-lm) stack. A group missing an expert the config counts is refused."""
+    layout = arch.experts
+    if layout is None:
+        return {}
+    pattern = re.compile(rf"^(.*\.{layout.disk_block})\.experts\.(\d+)\.(\w+)\.weight$")
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for name in names:
+        if m := pattern.match(name):
+            groups.setdefault((m[1], m[3]), {})[int(m[2])] = name
+    n = layout.expert_count(config)
+    out = {}
+    for (block, proj), members in groups.items():
+        if sorted(members) != list(range(n)):
+            missing = sorted(set(range(n)) - set(members))
+            raise UserError(f"{block}.experts.*.{proj}: config.json counts {n} experts but the weights hold "
+                            f"{'no expert ' + str(missing[0]) if missing else 'more'}",
+                            "download the missing shards, or repair the expert count in config.json")
+        order = tuple(members[e] for e in range(n))
+        out.update({name: (block, proj, order) for name in order})
+    return out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tuneport.convert.arch import known_arch
 from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import compare_logits, load_hf, load_peft
 from tuneport.toolkit.tiny import VARIANTS
@@ -178,6 +179,54 @@ def test_every_lora_variant_as_mlx_adapter_equals_peft(cli, bases, adapters, tmp
     export(cli, base, tmp_path / "merged", "--adapter", adapter)
     merged = in_mlx(tmp_path / "merged")
     assert (merged - separate).abs().max().item() <= TOL
+
+
+MOE = [a for a in supported("mlx") if (spec := known_arch(a)) is not None and spec.experts is not None]
+
+
+@pytest.mark.parametrize("variant", ["experts", "per_expert", "all_linear"])
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_lora_as_mlx_adapter_equals_peft(cli, zoo, tmp_path, arch, variant):
+    """LoRA on the experts (fused target_parameters, transformers 4's per-expert modules, or all linears with the
+    router) as mlx-lm's LoRASwitchLinear on the stacked switch_mlp: unmerged and merged = PEFT."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, variant)
+    out = tmp_path / "separate"
+    export(cli, base, out, "--adapter", f"{variant}={adapter}", "--adapters", "separate")
+    ref = reference(base, adapter)
+    separate = in_mlx(out, out / "adapters" / variant)
+    assert (separate - ref).abs().max().item() <= TOL
+    assert (separate - reference(base)).abs().max().item() > 0.1
+    export(cli, base, tmp_path / "merged", "--adapter", adapter)
+    assert (in_mlx(tmp_path / "merged") - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize(("quant", "group"), [("q4", "64"), ("mixed_3_6", "64"), ("mxfp4", None)])
+@pytest.mark.parametrize("arch", MOE)
+def test_quantized_experts_are_what_mlx_lm_convert_writes(cli, zoo, tmp_path, arch, quant, group):
+    """Stacked experts quantized as mlx-lm's QuantizedSwitchLinear, the model's own quant_predicate honoured
+    (Qwen3-MoE's router at 8 bits): the same tensors and quantization config as mlx_lm.convert of the
+    unquantized export (mlx_lm.convert cannot read a transformers 5 Qwen3-MoE config.json itself)."""
+    import mlx.core as mx
+    from mlx_lm.convert import convert
+
+    from tuneport.convert.mlx.quant import QUANT_TYPES
+
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
+    export(cli, base, tmp_path / "fp32", "--adapter", adapter)
+    q = QUANT_TYPES[quant]
+    convert(str(tmp_path / "fp32"), str(tmp_path / "by-mlx-lm"), quantize=True, q_bits=None if q.mixed else q.bits,
+            q_group_size=int(group) if group else None, q_mode=q.mode, quant_predicate=quant if q.mixed else None)
+    export(cli, base, tmp_path / "ours", "--adapter", adapter, "--quant", quant,
+           *(["--group-size", group] if group else []))
+    ours, theirs = _tensors(tmp_path / "ours"), _tensors(tmp_path / "by-mlx-lm")
+    assert sorted(ours) == sorted(theirs) and any(".switch_mlp." in k for k in ours)
+    different = [k for k in ours if ours[k].dtype != theirs[k].dtype or not mx.array_equal(ours[k], theirs[k]).item()]
+    assert not different, different[:5]
+    cfg_ours = json.loads((tmp_path / "ours" / "config.json").read_text())
+    cfg_theirs = json.loads((tmp_path / "by-mlx-lm" / "config.json").read_text())
+    assert cfg_ours["quantization"] == cfg_theirs["quantization"]
+    cmp = compare_logits(in_mlx(tmp_path / "fp32"), in_mlx(tmp_path / "ours"))
+    assert cmp.kl < 0.6  # random tiny weights quantize badly; the equality above is the check
 
 
 def test_refused_variants_merge_exactly(cli, bases, adapters, tmp_path):

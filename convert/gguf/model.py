@@ -6,7 +6,6 @@ Architecture quirks come from ``GGUF_ARCHS`` (data); names from gguf-py's tensor
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from ..arch import ArchSpec
 from ..errors import UserError
+from ..experts import expert_groups
 from .config_keys import GGUFConfigFacts, gguf_config_facts
 from .vocab import GGUFVocab
 
@@ -180,7 +180,8 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], n_layers)
     plan = GGUFModelPlan(arch, garch, config, facts=gguf_config_facts(arch.model_type, config))
     tied = config.get("tie_word_embeddings") is True
-    stacks = expert_stacks(arch, config, shapes)
+    stacks = {name: (f"{block}.experts.{proj}.weight", order)
+              for name, (block, proj, order) in expert_groups(arch, config, [n for n, _ in shapes]).items()}
     for name, shape in shapes:
         if name.endswith(DROPPED_SUFFIXES) or (tied and name == f"{arch.lm_head}.weight"):
             continue  # a tied model's stored lm_head is not what transformers computes with
@@ -219,31 +220,6 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         raise UserError(f"RoPE type {rp['rope_type']!r} is not supported for GGUF export",
                         "supported: default, linear, yarn, llama3")
     return plan
-
-
-def expert_stacks(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[int, ...]]]
-                  ) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Per-expert tensor -> (the stacked name gguf-py maps, e.g. ``...block_sparse_moe.experts.w1.weight``, and
-    its experts' tensors in expert order): llama.cpp keeps a layer's experts of one projection in one tensor."""
-    layout = arch.experts
-    if layout is None:
-        return {}
-    pattern = re.compile(rf"^(.*\.{layout.disk_block}\.experts)\.(\d+)\.(\w+)\.weight$")
-    groups: dict[str, dict[int, str]] = {}
-    for name, _ in shapes:
-        if m := pattern.match(name):
-            groups.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = name
-    n = layout.expert_count(config)
-    out = {}
-    for stacked, members in groups.items():
-        if sorted(members) != list(range(n)):
-            missing = sorted(set(range(n)) - set(members))
-            raise UserError(f"{stacked}: config.json counts {n} experts but the weights hold "
-                            f"{'expert ' + str(missing[0]) + ' not' if missing else 'more'}",
-                            "download the missing shards, or repair the expert count in config.json")
-        order = tuple(members[e] for e in range(n))
-        out.update({name: (stacked, order) for name in order})
-    return out
 
 
 def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, name: str) -> None:

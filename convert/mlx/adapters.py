@@ -102,9 +102,15 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     rank = max(adapter.ranks)
     dora = adapter.use_dora
 
+    switch = dict(mlx_arch_for(base.model_type).switch_mlp)
+    expert = re.compile(rf"^(.+)\.experts\.(\d+)\.(\w+)$") if switch else None
     placed: dict[tuple[int | None, str], object] = {}
     for mod in adapter.modules.values():
-        placed[_split(mod.module, arch.layer_prefix)] = mod
+        i, key = _split(mod.module, arch.layer_prefix)
+        if expert is not None and (m := expert.match(key)) and m[3] in switch:  # into the stacked switch_mlp
+            placed.setdefault((i, f"{m[1]}.switch_mlp.{switch[m[3]]}"), {})[int(m[2])] = mod
+            continue
+        placed[(i, key)] = mod
     layers = sorted({i for i, _ in placed if i is not None})
     first = layers[0] if layers else n_layers
     layer_keys = sorted({k for i, k in placed if i is not None})
@@ -125,11 +131,34 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
         if mod.magnitude is not None:
             out.tensors[f"{path}.m"] = mod.magnitude.float().numpy()
 
+    n_experts = arch.experts.expert_count(base.config) if arch.experts else 0
+    stacked_disk = {f"{sw}": proj for proj, sw in switch.items()}
+
+    def put_experts(path: str, mods: dict, shape: tuple[int, int]) -> None:
+        """mlx-lm's LoRASwitchLinear: ``lora_a [E, r, in]``, ``lora_b [E, out, r]`` (not transposed); experts
+        without a LoRA get zeros."""
+        a = torch.zeros(n_experts, rank, shape[1])
+        b = torch.zeros(n_experts, shape[0], rank)
+        for e, mod in mods.items():
+            a[e, : mod.rank] = mod.A.float()
+            b[e, :, : mod.rank] = mod.B.float() * (mod.scale / scale)
+        out.tensors[f"{path}.lora_a"] = a.numpy()
+        out.tensors[f"{path}.lora_b"] = b.numpy()
+
+    def expert_shape(path: str) -> tuple[int, int] | None:
+        block, _, name = path.rpartition(".switch_mlp.")
+        return base.weight_shape(f"{block}.experts.0.{stacked_disk[name]}.weight") if name in stacked_disk else None
+
     filled = 0
     for i in range(first, n_layers):
         for key in layer_keys:
             path = f"{arch.layer_prefix}.{i}.{key}"
-            if (mod := placed.get((i, key))) is not None:
+            mod = placed.get((i, key))
+            if (shape := expert_shape(path)) is not None:
+                put_experts(path, mod or {}, shape)
+                filled += mod is None
+                continue
+            if mod is not None:
                 put(path, mod)
                 continue
             shape = base.weight_shape(f"{path}.weight")

@@ -82,6 +82,14 @@ def no_sliding_window(cfg: dict) -> list[str]:
     return []
 
 
+def expert_count_key(cfg: dict) -> list[str]:
+    """mlx-lm's Qwen3-MoE requires ``num_experts``; transformers 5 writes ``num_local_experts``."""
+    if "num_experts" in cfg or "num_local_experts" not in cfg:
+        return []
+    cfg["num_experts"] = cfg["num_local_experts"]
+    return ["num_experts"]
+
+
 def gemma_embed_factor(cfg: dict) -> float:
     """mlx-lm's Gemma 3 multiplies the embedding lookup (LoRA included) by sqrt(hidden) rounded to bfloat16,
     transformers (and PEFT) by the exact value: their ratio (1.0001 for hidden 128)."""
@@ -102,6 +110,10 @@ class MlxArch:
     # is what multiplies).
     embed_factor: Callable[[dict], float] | None = None
     norm_offset: float = 0.0
+    # mixture of experts: mlx-lm stacks a layer's experts into ``<block>.switch_mlp.<name>`` (disk projection ->
+    # name), and some models quantize modules their own way (``quant_predicate``: module path -> params)
+    switch_mlp: tuple[tuple[str, str], ...] = ()
+    quant_predicate: Callable[[str], dict | None] | None = None
     notes: tuple[str, ...] = ()
 
 
@@ -117,14 +129,20 @@ MLX_ARCHS: dict[str, MlxArch] = {a.model_type: a for a in (
     MlxArch("olmo2", "olmo2"),
     MlxArch("granite", "granite"),
     MlxArch("smollm3", "smollm3", (rope_top_level, no_sliding_window)),
+    MlxArch("mixtral", "mixtral", (rope_top_level, no_sliding_window),
+            switch_mlp=(("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")),
+            notes=("experts stacked into switch_mlp, as mlx-lm keeps them",)),
+    # mlx_lm.models.qwen3_moe.Model.quant_predicate: the router at 8 bits
+    MlxArch("qwen3_moe", "qwen3_moe", (rope_top_level, no_sliding_window, expert_count_key),
+            switch_mlp=(("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj")),
+            quant_predicate=lambda path: {"group_size": 64, "bits": 8} if path.endswith("mlp.gate") else None,
+            notes=("experts stacked into switch_mlp, as mlx-lm keeps them",)),
 )}
 
 
 # Why the others are not in the table (told to the user).
 MLX_NOT_SUPPORTED = {
     "gemma2": "mlx-lm's Gemma 2 has no sliding window, so past the window its outputs differ",
-    **dict.fromkeys(("mixtral", "qwen3_moe"), "mlx-lm stacks the experts (switch_mlp) and takes LoRA on them in "
-                    "its own layout; tuneport does not write that yet"),
 }
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..experts import expert_groups
 from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
 from ..io import atomic_dir, write_tensors
@@ -73,35 +74,63 @@ def tensor_fixes(march: MlxArch, cfg: dict, tied: bool, embed: str, final_norm: 
 
 
 class _Layout:
-    """The output tensors of the base: names mlx-lm expects, dtypes, which weights are quantized."""
+    """The output tensors of the base: names mlx-lm expects, dtypes, which weights are quantized. A layer's
+    experts of one projection become one ``switch_mlp`` tensor ``[E, out, in]``, written once its last expert
+    is read."""
 
-    def __init__(self, plan: MergePlan, dtype: torch.dtype, qplan: QuantPlan | None, tied: bool) -> None:
+    def __init__(self, plan: MergePlan, march: MlxArch, dtype: torch.dtype, qplan: QuantPlan | None,
+                 tied: bool) -> None:
         self.plan, self.dtype, self.qplan = plan, dtype, qplan
         self.sources: list[TensorMeta] = []
         self.specs: list[TensorMeta] = []
         self.quantized: dict[str, dict] = {}  # module -> params
+        self.stacked: dict[str, tuple[str, int, int]] = {}  # expert tensor -> (switch_mlp module, index, count)
         lm_head = f"{plan.base.arch.lm_head}.weight"
+        groups = expert_groups(plan.base.arch, plan.base.config, [s.name for s in plan.specs])
+        switch = dict(march.switch_mlp)
+        arrived: dict[str, int] = {}
         for spec in plan.specs:
             if any(spec.name.endswith(d) for d in DROPPED) or (tied and spec.name == lm_head):
                 continue
             self.sources.append(spec)
-            floating = spec.dtype.is_floating_point
-            module = spec.name.removesuffix(".weight")
-            params = qplan.params(module, spec.shape) if (qplan and floating and spec.name.endswith(".weight")) \
-                else None
-            if params is None:
-                self.specs.append(TensorMeta(spec.name, dtype if floating else spec.dtype, spec.shape))
+            if (group := groups.get(spec.name)) is not None:
+                block, proj, order = group
+                module = f"{block}.switch_mlp.{switch[proj]}"
+                self.stacked[spec.name] = (module, order.index(spec.name), len(order))
+                arrived[module] = arrived.get(module, 0) + 1
+                if arrived[module] == len(order):  # planned where it is written: after its last expert
+                    self._add(module, (len(order), *spec.shape), spec.dtype)
                 continue
-            self.quantized[module] = params
-            for suffix, (shape, kind) in quantized_shapes(spec.shape, params).items():
-                st = {"packed": torch.uint32, "scale": torch.uint8, "float": dtype}[kind]
-                self.specs.append(TensorMeta(f"{module}.{suffix}", st, shape))
+            self._add(spec.name.removesuffix(".weight") if spec.name.endswith(".weight") else spec.name,
+                      spec.shape, spec.dtype, weight=spec.name.endswith(".weight"))
+
+    def _add(self, module: str, shape: tuple[int, ...], src_dtype: torch.dtype, weight: bool = True) -> None:
+        floating = src_dtype.is_floating_point
+        name = f"{module}.weight" if weight else module
+        params = self.qplan.params(module, shape) if (self.qplan and floating and weight) else None
+        if params is None:
+            self.specs.append(TensorMeta(name, self.dtype if floating else src_dtype, shape))
+            return
+        self.quantized[module] = params
+        for suffix, (qshape, kind) in quantized_shapes(shape, params).items():
+            st = {"packed": torch.uint32, "scale": torch.uint8, "float": self.dtype}[kind]
+            self.specs.append(TensorMeta(f"{module}.{suffix}", st, qshape))
 
 
 def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_shard_bytes: int,
                 progress: Progress | None) -> dict[Path, str]:
-    """Stream the tensors of ``layout`` into ``out``; at most one tensor (and its quantized parts) in memory."""
+    """Stream the tensors of ``layout`` into ``out``; at most one tensor (and its quantized parts) in memory,
+    or for stacked experts one layer's experts of one projection."""
     from .arrays import to_mx, to_torch
+
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+
+    def emit(module: str, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if (params := layout.quantized.get(module)) is None:
+            yield name, t
+            return
+        for suffix, part in quantize(to_mx(t), params).items():
+            yield f"{module}.{suffix}", to_torch(part)
 
     def produce(spec: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:
         t = merge_one(plan, spec)
@@ -109,12 +138,15 @@ def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_sh
             t = fix(t)
         if t.dtype.is_floating_point:
             t = t.to(layout.dtype)
-        module = spec.name.removesuffix(".weight")
-        if (params := layout.quantized.get(module)) is None:
-            yield spec.name, t
+        if (stacked := layout.stacked.get(spec.name)) is not None:
+            module, index, count = stacked
+            experts = pending.setdefault(module, {})
+            experts[index] = t
+            if len(experts) == count:
+                del pending[module]
+                yield from emit(module, f"{module}.weight", torch.stack([experts[e] for e in range(count)]))
             return
-        for suffix, part in quantize(to_mx(t), params).items():
-            yield f"{module}.{suffix}", to_torch(part)
+        yield from emit(spec.name.removesuffix(".weight"), spec.name, t)
 
     return write_tensors(out, layout.specs, layout.sources, produce, max_shard_bytes=max_shard_bytes,
                          progress=progress, metadata={"format": "mlx"})
@@ -178,9 +210,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     cfg["torch_dtype"] = CONFIG_DTYPE_NAMES[dtype]
     if "dtype" in cfg:
         cfg["dtype"] = CONFIG_DTYPE_NAMES[dtype]
-    qplan = QuantPlan(q, group_size_for(q, opts.group_size), int(cfg["num_hidden_layers"]), arch.layer_prefix) \
-        if q else None
-    layout = _Layout(plan, dtype, qplan, tied)
+    qplan = QuantPlan(q, group_size_for(q, opts.group_size), int(cfg["num_hidden_layers"]), arch.layer_prefix,
+                      march.quant_predicate) if q else None
+    layout = _Layout(plan, march, dtype, qplan, tied)
     fixes = tensor_fixes(march, cfg, tied, f"{arch.embed}.weight", f"{arch.final_norm}.weight")
     converted = convert_adapters(plan, loaded) if separate else []
 
@@ -189,8 +221,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         notes.append(f"config: {', '.join(filled)} written at the top level, where mlx-lm reads them")
     notes += [f"{march.model_type}: {n}" for n in march.notes]
     if qplan:
-        kept = [s.name for s in layout.sources if s.dtype.is_floating_point and len(s.shape) == 2
-                and s.name.removesuffix(".weight") not in layout.quantized]
+        kept = sorted({m for s in layout.sources if s.dtype.is_floating_point and len(s.shape) == 2
+                       and (m := layout.stacked.get(s.name, (s.name.removesuffix(".weight"),))[0])
+                       not in layout.quantized})
         if kept:
             notes.append(f"{len(kept)} matrices kept {CONFIG_DTYPE_NAMES[dtype]}: width not a multiple of "
                          f"group size {qplan.group_size} ({kept[0]}{', ...' if len(kept) > 1 else ''})")

@@ -8,6 +8,7 @@ the mixed recipes, which give some modules more bits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -73,17 +74,29 @@ class QuantPlan:
     group_size: int
     n_layers: int
     layer_prefix: str = "model.layers"
+    predicate: Callable[[str], dict | None] | None = None  # MlxArch.quant_predicate (mixed recipes override it)
 
     def defaults(self) -> dict:
         return {"group_size": self.group_size, "bits": 4 if self.q.mixed else self.q.bits, "mode": self.q.mode}
 
     def params(self, module: str, shape: tuple[int, ...]) -> dict | None:
-        """How ``module`` (weight ``shape``) is quantized, or None when it stays as it is."""
-        if len(shape) != 2 or shape[-1] % self.group_size:
+        """How ``module`` (weight ``shape``: a Linear's, or ``[E, out, in]`` of stacked experts) is quantized,
+        or None when it stays as it is."""
+        if len(shape) not in (2, 3) or shape[-1] % self.group_size:
             return None
         if self.q.mixed is None:
+            if self.predicate is not None and (own := self.predicate(module)) is not None:
+                return {"mode": "affine", **own}  # the model's own choice (mlx-lm passes it to to_quantized)
             return self.defaults()
         return {"group_size": self.group_size, "bits": self._mixed_bits(module), "mode": "affine"}
+
+    def recorded(self, module: str, params: dict) -> dict | None:
+        """The per-module entry mlx-lm writes into ``quantization`` for ``module`` (None: none)."""
+        if self.q.mixed is not None:
+            return params
+        if self.predicate is not None and (own := self.predicate(module)) is not None:
+            return dict(own)
+        return None
 
     def _mixed_bits(self, module: str) -> int:
         """mlx-lm's mixed recipe (after llama.cpp's Q4_K_M): more bits for v_proj and down_proj of the
@@ -99,21 +112,21 @@ class QuantPlan:
         return high if "lm_head" in module else low
 
     def config(self, per_module: dict[str, dict]) -> dict:
-        """``quantization`` as mlx-lm writes it (per-module entries for mixed recipes only)."""
+        """``quantization`` as mlx-lm writes it: the defaults and the ``recorded`` per-module entries."""
         out = self.defaults()
-        if self.q.mixed is not None:
-            out.update(per_module)
+        out.update({m: e for m, p in per_module.items() if (e := self.recorded(m, p)) is not None})
         return out
 
 
-def quantized_shapes(shape: tuple[int, int], params: dict) -> dict[str, tuple[tuple[int, int], str]]:
-    """Suffix -> (shape, "packed" | "scale" | "float") of what ``mx.quantize`` returns for a weight."""
-    rows, cols = shape
+def quantized_shapes(shape: tuple[int, ...], params: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Suffix -> (shape, "packed" | "scale" | "float") of what ``mx.quantize`` returns for a weight (groups run
+    along the last axis; stacked experts keep their leading axis)."""
+    *lead, cols = shape
     groups = cols // params["group_size"]
-    out = {"weight": ((rows, cols * params["bits"] // 32), "packed"),
-           "scales": ((rows, groups), "float" if params["mode"] == "affine" else "scale")}
+    out = {"weight": ((*lead, cols * params["bits"] // 32), "packed"),
+           "scales": ((*lead, groups), "float" if params["mode"] == "affine" else "scale")}
     if params["mode"] == "affine":
-        out["biases"] = ((rows, groups), "float")
+        out["biases"] = ((*lead, groups), "float")
     return out
 
 

@@ -77,7 +77,10 @@ def misfits(found: dict[str, Target], weights: dict[str, ModuleLora]) -> list[st
     problems = []
     for path, w in weights.items():
         t = found.get(path)
-        if t is None:
+        if t is None and ".switch_mlp." in path:
+            problems.append(f"{path}: LoRA on stacked experts (mlx-lm's switch_mlp), which this engine does not "
+                            "batch yet (serve it with --engine llamacpp, or merge it: tuneport export --target mlx)")
+        elif t is None:
             problems.append(f"{path}: the base has no such linear or embedding")
         elif w.a.ndim != 2 or w.b.ndim != 2 or w.a.shape[1] != w.b.shape[0]:
             problems.append(f"{path}: lora_a {list(w.a.shape)} and lora_b {list(w.b.shape)} are not a LoRA pair")
