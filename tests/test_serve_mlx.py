@@ -361,3 +361,26 @@ def test_a_dora_adapter_leaves_other_rows_of_a_biased_linear_untouched():
     alone_lora = layer(x[1:2])
     assert mx.array_equal(out[0], base(x[:1])[0]).item() and mx.array_equal(out[0], alone_base[0]).item()
     assert mx.array_equal(out[1], alone_lora[0]).item()
+
+
+@pytest.mark.parametrize("quant", [None, "q4"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_expert_lora_batched_over_stacked_experts_matches_mlx_lm(zoo, tmp_path, arch, quant):
+    """A mixture-of-experts base (stacked switch_mlp, quantized too) with LoRA on the experts, on the router and
+    attention: base and three adapters in one batch, every answer equal to mlx-lm's own LoRASwitchLinear with
+    that adapter alone."""
+    names = ["experts", "per_expert", "all_linear"]
+    out = tmp_path / "bundle"
+    tuneport.export(base=zoo.base(arch), adapters=[f"{n}={zoo.adapter(arch, n)}" for n in names], target="mlx",
+                    adapter_mode="separate", quant=quant, out=out)
+    want = {n: mlx_lm_greedy(out, out / "adapters" / n if n else None, PROMPTS[:3], 8) for n in (None, *names)}
+    assert len({json.dumps(v) for v in want.values()}) == len(want)
+    with tuneport.serve(base=out, adapters={n: out / "adapters" / n for n in names}, engine="mlx", port=0,
+                        n_ctx=64) as server:
+        c = httpx.Client(base_url=server.url, timeout=60)
+        jobs = [(n, i) for n in (None, *names) for i in range(3)] * 2
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda j: ask(c, j[0] or server.backend.name, PROMPTS[j[1]], 8), jobs))
+        assert server.backend.mlx.max_batch_adapters >= 2
+    bad = [(j, g) for j, g in zip(jobs, got, strict=True) if g != (200, want[j[0]][j[1]])]
+    assert not bad, bad[:2]

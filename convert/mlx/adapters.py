@@ -103,7 +103,7 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     dora = adapter.use_dora
 
     switch = dict(mlx_arch_for(base.model_type).switch_mlp)
-    expert = re.compile(rf"^(.+)\.experts\.(\d+)\.(\w+)$") if switch else None
+    expert = re.compile(r"^(.+)\.experts\.(\d+)\.(\w+)$") if switch else None
     placed: dict[tuple[int | None, str], object] = {}
     for mod in adapter.modules.values():
         i, key = _split(mod.module, arch.layer_prefix)

@@ -1,4 +1,5 @@
-"""Many LoRA adapters over one MLX model at once, each batch row with its own adapter.
+"""Many LoRA adapters over one MLX model at once, each batch row with its own adapter (stacked experts too:
+:class:`MultiLoraSwitchGLU`).
 
 An adapted module (a linear, or the token embedding) is wrapped once; its :class:`Stack` holds the
 adapters that adapt it, stacked: ``a [n + 1, in, r]``, ``b [n + 1, r, out]`` with each adapter's scale
@@ -46,9 +47,10 @@ class ModuleLora:
 class Target:
     """A module adapters may adapt: its kind and the shapes its LoRA matrices must have."""
 
-    kind: str  # "linear" or "embedding"
+    kind: str  # "linear", "embedding" or "switch" (a projection of stacked experts)
     n_in: int  # linear: input features; embedding: vocabulary
     n_out: int  # linear: output features; embedding: dimensions
+    n_experts: int = 0  # switch: the experts stacked
 
 
 def _dims(module: nn.Module) -> tuple[int, int]:
@@ -60,9 +62,19 @@ def _dims(module: nn.Module) -> tuple[int, int]:
 
 def targets(model: nn.Module) -> dict[str, Target]:
     """Every linear and embedding of ``model`` by path (mlx parameter names without ``.weight``)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
     out = {}
     for path, m in model.named_modules():
-        base = m.base if isinstance(m, (MultiLoraLinear, MultiLoraEmbedding)) else m
+        base = m.base if isinstance(m, (MultiLoraLinear, MultiLoraEmbedding, MultiLoraSwitchGLU)) else m
+        if isinstance(base, SwitchGLU):
+            for name in MultiLoraSwitchGLU.PROJECTIONS:
+                proj = base[name]
+                n_experts, n_out, cols = proj.weight.shape
+                bits = getattr(proj, "bits", None)
+                n_in = cols * 32 // bits if "scales" in proj else cols
+                out[f"{path}.{name}"] = Target("switch", n_in, n_out, n_experts)
+            continue
         if isinstance(base, LINEARS):
             n_out, n_in = _dims(base)
             out[path] = Target("linear", n_in, n_out)
@@ -77,11 +89,15 @@ def misfits(found: dict[str, Target], weights: dict[str, ModuleLora]) -> list[st
     problems = []
     for path, w in weights.items():
         t = found.get(path)
-        if t is None and ".switch_mlp." in path:
-            problems.append(f"{path}: LoRA on stacked experts (mlx-lm's switch_mlp), which this engine does not "
-                            "batch yet (serve it with --engine llamacpp, or merge it: tuneport export --target mlx)")
-        elif t is None:
+        if t is None:
             problems.append(f"{path}: the base has no such linear or embedding")
+        elif t.kind == "switch":  # mlx-lm's LoRASwitchLinear: lora_a [E, r, in], lora_b [E, out, r]
+            if w.dora or w.m is not None:
+                problems.append(f"{path}: DoRA on stacked experts, which mlx-lm does not have")
+            elif (w.a.ndim, w.b.ndim) != (3, 3) or w.a.shape[:1] != (t.n_experts,) or w.a.shape[2] != t.n_in \
+                    or w.b.shape[:2] != (t.n_experts, t.n_out) or w.a.shape[1] != w.b.shape[2]:
+                problems.append(f"{path}: lora_a {list(w.a.shape)} and lora_b {list(w.b.shape)} do not fit "
+                                f"{t.n_experts} experts of {t.n_in} -> {t.n_out}")
         elif w.a.ndim != 2 or w.b.ndim != 2 or w.a.shape[1] != w.b.shape[0]:
             problems.append(f"{path}: lora_a {list(w.a.shape)} and lora_b {list(w.b.shape)} are not a LoRA pair")
         elif (w.a.shape[0], w.b.shape[1]) != (t.n_in, t.n_out):
@@ -134,18 +150,20 @@ class Stack:
         return sum(x.nbytes for x in (self.a, self.b, self.f) if x is not None)
 
     def add(self, gid: int, a: np.ndarray, b: np.ndarray, f: mx.array | None) -> None:
-        r = a.shape[1]
+        """``a [..., in, r]``, ``b [..., r, out]`` (a leading expert axis for stacked experts)."""
+        r = a.shape[-1]
         rank = max(r, *self.ranks) if self.ranks else r
-        new_a = mx.pad(mx.array(a, dtype=mx.float32)[None], [(0, 0), (0, 0), (0, rank - r)])
-        new_b = mx.pad(mx.array(b, dtype=mx.float32)[None], [(0, 0), (0, rank - r), (0, 0)])
+        lead = [(0, 0)] * (a.ndim - 1)  # the slot axis and the leading axes
+        new_a = mx.pad(mx.array(a, dtype=mx.float32)[None], [*lead, (0, 0), (0, rank - r)])
+        new_b = mx.pad(mx.array(b, dtype=mx.float32)[None], [*lead, (0, rank - r), (0, 0)])
         if self.a is None:
             self.a = mx.concatenate([mx.zeros_like(new_a), new_a])
             self.b = mx.concatenate([mx.zeros_like(new_b), new_b])
         else:
-            grow = rank - self.a.shape[2]
+            grow = rank - self.a.shape[-1]
             if grow:
-                self.a = mx.pad(self.a, [(0, 0), (0, 0), (0, grow)])
-                self.b = mx.pad(self.b, [(0, 0), (0, grow), (0, 0)])
+                self.a = mx.pad(self.a, [*lead, (0, 0), (0, grow)])
+                self.b = mx.pad(self.b, [*lead, (0, grow), (0, 0)])
             self.a = mx.concatenate([self.a, new_a])
             self.b = mx.concatenate([self.b, new_b])
         if f is not None or self.f is not None:
@@ -165,7 +183,7 @@ class Stack:
             return
         rows = mx.array([0, *(j + 1 for j in keep)])
         rank = max(self.ranks)  # the padding the removed adapter needed goes too
-        self.a, self.b = self.a[:, :, :rank][rows], self.b[:, :rank, :][rows]
+        self.a, self.b = self.a[..., :rank][rows], self.b[..., :rank, :][rows]
         self.f = self.f[rows] if self.f is not None and any(self.doras) else None
         mx.eval(*(x for x in (self.a, self.b, self.f) if x is not None))
 
@@ -237,6 +255,50 @@ class MultiLoraEmbedding(nn.Module):
         return y + z.astype(x.dtype)
 
 
+class MultiLoraSwitchGLU(nn.Module):
+    """mlx-lm's SwitchGLU (a layer's stacked experts) with a stack of adapters per projection. Each stack is
+    ``a [n + 1, E, in, r]``, ``b [n + 1, E, r, out]``; a token routed to expert ``e`` in a row using slot ``s``
+    gets ``(x @ a[s, e]) @ b[s, e]``, gathered from the flattened stacks at ``s · E + e`` as mlx-lm's
+    LoRASwitchLinear gathers ``e``. Tokens are not sorted by expert while adapters are live (sorting would
+    lose each token's row)."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, base: nn.Module, rows: Rows) -> None:
+        super().__init__()
+        self.base = base
+        self.rows = rows
+        self.stacks = {p: Stack() for p in self.PROJECTIONS}
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        live = [(p, st, slots) for p, st in self.stacks.items()
+                if st.a is not None and (slots := self.rows.slots(st.ids)) is not None]
+        if not live:
+            return self.base(x, indices)
+        extra = {p: (st, slots) for p, st, slots in live}
+        x = mx.expand_dims(x, (-2, -3))
+        idx = mx.stop_gradient(indices)
+
+        def project(name: str, h: mx.array) -> mx.array:
+            y = self.base[name](h, idx)
+            if name not in extra:
+                return y
+            st, slots = extra[name]
+            n_experts = st.a.shape[1]
+            rows = slots if isinstance(slots, int) else slots.reshape(-1, *([1] * (idx.ndim - 1)))
+            at = rows * n_experts + idx
+            z = mx.gather_mm(h, st.a.reshape(-1, *st.a.shape[2:]), rhs_indices=at)
+            z = mx.gather_mm(z, st.b.reshape(-1, *st.b.shape[2:]), rhs_indices=at)
+            return y + z.astype(y.dtype)
+
+        up, gate = project("up_proj", x), project("gate_proj", x)
+        return project("down_proj", self.base.activation(up, gate)).squeeze(-2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(st.nbytes for st in self.stacks.values())
+
+
 Wrapped = MultiLoraLinear | MultiLoraEmbedding
 
 
@@ -246,6 +308,27 @@ def _parent(model: nn.Module, path: str) -> tuple[object, str | int]:
     for part in head:
         node = node[int(part)] if isinstance(node, list) else node[part]
     return node, int(last) if isinstance(node, list) else last
+
+
+def _switch(model: nn.Module, path: str) -> tuple[str, str] | None:
+    """(the SwitchGLU's path, the projection) when ``path`` is a projection of stacked experts."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    head, _, name = path.rpartition(".")
+    if name not in MultiLoraSwitchGLU.PROJECTIONS:
+        return None
+    parent, key = _parent(model, head)
+    return (head, name) if isinstance(parent[key], (SwitchGLU, MultiLoraSwitchGLU)) else None
+
+
+def stack_of(model: nn.Module, path: str, rows: Rows) -> Stack:
+    """The adapter stack of the module at ``path``, wrapping it (or its SwitchGLU) now if needed."""
+    if (sw := _switch(model, path)) is not None:
+        parent, key = _parent(model, sw[0])
+        if not isinstance(parent[key], MultiLoraSwitchGLU):
+            parent[key] = MultiLoraSwitchGLU(parent[key], rows)
+        return parent[key].stacks[sw[1]]
+    return wrapped(model, path, rows).stack
 
 
 def wrapped(model: nn.Module, path: str, rows: Rows) -> Wrapped:
@@ -271,6 +354,10 @@ def place(model: nn.Module, rows: Rows, gid: int, weights: dict[str, ModuleLora]
     done = []
     try:
         for path, w in weights.items():
+            if _switch(model, path) is not None:  # mlx-lm's [E, r, in] / [E, out, r] as [E, in, r] / [E, r, out]
+                stack_of(model, path, rows).add(gid, np.swapaxes(w.a, -1, -2), np.swapaxes(w.b, -1, -2), None)
+                done.append(path)
+                continue
             module = wrapped(model, path, rows)
             f = None
             if w.dora or w.m is not None:
@@ -288,6 +375,14 @@ def place(model: nn.Module, rows: Rows, gid: int, weights: dict[str, ModuleLora]
 def remove(model: nn.Module, gid: int, paths: Sequence[str]) -> None:
     """Take adapter ``gid`` out of the modules at ``paths``."""
     for path in paths:
+        if (sw := _switch(model, path)) is not None:
+            parent, key = _parent(model, sw[0])
+            glu = parent[key]
+            if isinstance(glu, MultiLoraSwitchGLU) and gid in glu.stacks[sw[1]].ids:
+                glu.stacks[sw[1]].remove(gid)
+                if not any(st.ids for st in glu.stacks.values()):
+                    parent[key] = glu.base
+            continue
         parent, key = _parent(model, path)
         module = parent[key]
         if isinstance(module, (MultiLoraLinear, MultiLoraEmbedding)) and gid in module.stack.ids:
@@ -298,4 +393,6 @@ def remove(model: nn.Module, gid: int, paths: Sequence[str]) -> None:
 
 def stack_bytes(model: nn.Module) -> int:
     """Bytes of every adapter stack in ``model`` (padding included)."""
-    return sum(m.stack.nbytes for _, m in model.named_modules() if isinstance(m, (MultiLoraLinear, MultiLoraEmbedding)))
+    modules = [m for _, m in model.named_modules()]
+    return (sum(m.stack.nbytes for m in modules if isinstance(m, (MultiLoraLinear, MultiLoraEmbedding)))
+            + sum(m.nbytes for m in modules if isinstance(m, MultiLoraSwitchGLU)))
