@@ -121,9 +121,24 @@ def test_mixtral_tensors_equal_llama_cpps_converter(zoo, tmp_path, upstream):
         assert ours.get_field(key).contents() == up.get_field(key).contents(), key
 
 
-@pytest.mark.parametrize("variant", LORA_VARIANTS)
-@pytest.mark.parametrize("arch", [*ARCHS, "qwen3"])
+def _lora_cases() -> list:
+    from test_merge_equivalence import UNBUILDABLE
+
+    from tuneport.toolkit.tiny import TINY_ARCHS
+
+    refused = {("gemma2", "embedding"): "embedding LoRA over tied embeddings (Gemma 2 is always tied)"}
+    cases = []
+    for a in supported("gguf"):
+        for v in LORA_VARIANTS:
+            why = UNBUILDABLE.get((a, v)) or refused.get((a, v))
+            if a in TINY_ARCHS and not TINY_ARCHS[a].text_config_class:
+                cases.append(pytest.param(a, v, marks=pytest.mark.skip(reason=why)) if why else (a, v))
+    return cases
+
+
+@pytest.mark.parametrize(("arch", "variant"), _lora_cases())
 def test_lora_separate_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant):
+    """Every LoRA variant on every architecture of the table, as a GGUF LoRA and merged, in llama.cpp = PEFT."""
     base, adapter = zoo.base(arch), zoo.adapter(arch, variant)
     sep, merged = tmp_path / "sep", tmp_path / "merged"
     m = export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}",
@@ -133,8 +148,9 @@ def test_lora_separate_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant)
     assert m["loras"] == {"a": "adapters/a-F32.gguf"}
     lora = gguf_vs(ref, sep / f"{base.name}-F32.gguf", sep / "adapters" / "a-F32.gguf")
     merged_cmp = gguf_vs(ref, merged / f"{base.name}-F32.gguf")
-    assert lora.max_abs <= 1e-4, lora
-    assert merged_cmp.max_abs <= 1e-4, merged_cmp
+    tol = {**TOL, **ARCH_TOL.get(arch, {})}["f32"]
+    assert lora.max_abs <= tol, lora
+    assert merged_cmp.max_abs <= tol, merged_cmp
     modelfile = (sep / "Modelfile.a").read_text()
     assert "ADAPTER ./adapters/a-F32.gguf" in modelfile
 

@@ -12,7 +12,7 @@ import tuneport
 from tuneport.convert.arch import known_arch
 from tuneport.convert.support import supported
 from tuneport.toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
-from tuneport.toolkit.tiny import VARIANTS
+from tuneport.toolkit.tiny import TINY_ARCHS, VARIANTS
 from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 
 TOL = 1e-4
@@ -47,9 +47,25 @@ def test_expert_lora_merges_exactly(zoo, tmp_path, ids, arch, variant):
     assert (unmerged - logits(load_hf(base), ids)).abs().max().item() > 0.1
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("arch", ARCHS)
+# Variants PEFT itself cannot make on an architecture (so there is no reference to compare with).
+UNBUILDABLE = {
+    **{("phi3", v): "phi3 fuses q/k/v (qkv_proj): PEFT finds no q_proj or v_proj"
+       for v in ("plain", "modules_to_save", "tied", "regex", "layers")},
+    ("qwen3_moe", "dora"): "PEFT maps down_proj onto the fused experts, where it has no DoRA",
+    **{("qwen3_moe", v): "PEFT maps gate_proj/up_proj onto the fused gate_up_proj and wants both"
+       for v in ("tied", "regex", "layers")},
+}
+
+
+def _variant_cases() -> list:
+    return [pytest.param(a, v, marks=pytest.mark.skip(reason=UNBUILDABLE[a, v])) if (a, v) in UNBUILDABLE
+            else (a, v) for a in supported("merge") if a in TINY_ARCHS for v in VARIANTS]
+
+
+@pytest.mark.parametrize(("arch", "variant"), _variant_cases())
 def test_merge_matches_peft(zoo, tmp_path, ids, arch, variant):
+    """Every LoRA variant on every architecture of the table: merged = PEFT unmerged (the trained model), and
+    = PEFT's merge_and_unload except where that changes both sides of tied embeddings (see the next test)."""
     base = zoo.base_for(arch, variant)
     adapter = zoo.adapter(arch, variant)
     out = tmp_path / "merged"
@@ -62,7 +78,11 @@ def test_merge_matches_peft(zoo, tmp_path, ids, arch, variant):
     plain_base = logits(load_hf(base, vocab=adapter_vocab(adapter)), ids)
 
     assert (merged - unmerged).abs().max().item() <= TOL
-    assert (merged - peft_merged).abs().max().item() <= TOL
+    tied_embedding = json.loads((base / "config.json").read_text()).get("tie_word_embeddings") and any(
+        "embed_tokens" in m or "lm_head" in m for m in json.loads((adapter / "adapter_config.json").read_text()).get(
+            "target_modules") or [])
+    if not tied_embedding:
+        assert (merged - peft_merged).abs().max().item() <= TOL
     # the adapter must matter, or the comparison proves nothing
     assert (unmerged - plain_base).abs().max().item() > 0.1
 

@@ -30,6 +30,11 @@ ARCH_VARIANTS = {
     "qwen3": ["all_linear", "dora"],
     "gemma3_text": ["all_linear", "dora", "embedding", "layers"],
     "phi3": ["all_linear"],
+    "olmo2": ["all_linear", "dora", "layers"],
+    "granite": ["all_linear", "embedding", "rslora"],
+    "smollm3": ["all_linear", "patterns", "layers"],
+    "mixtral": ["plain", "all_linear", "rslora", "layers"],
+    "qwen3_moe": ["plain", "all_linear", "rslora", "patterns"],
 }
 # Gemma 3 with a global layer every 2 and a 4-token window, so both kinds of layer run (the zoo's
 # two-layer Gemma has sliding layers only, which mlx-lm cannot express).
