@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from conftest import ARCHS
 
 from tuneport.convert.arch import known_arch
 from tuneport.convert.gguf.quant_types import QUANT_TYPES

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import ARCHS
 
 import tuneport
 from tuneport.convert.arch import known_arch
