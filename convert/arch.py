@@ -135,6 +135,20 @@ ARCHS: dict[str, ArchSpec] = {
         rope_style="normal",
         notes=("every 4th layer without RoPE (no_rope_layers)",),
     ),
+    # Gemma 3 4B-27B as a whole (text and vision), for the targets that keep the checkpoint as it is (merge);
+    # text-only targets export its text model (convert/multimodal.py). Names: the hub's layout.
+    "gemma3": ArchSpec(
+        "gemma3",
+        ("Gemma3ForConditionalGeneration",),
+        gguf_arch="gemma3",
+        rope_style="neox",
+        embed="language_model.model.embed_tokens",
+        lm_head="language_model.lm_head",
+        final_norm="language_model.model.norm",
+        layer_prefix="language_model.model.layers",
+        notes=("multimodal: merge keeps the vision tower (an adapter on it merged too); GGUF and MLX export the "
+               "text model",),
+    ),
     "mixtral": ArchSpec(
         "mixtral",
         ("MixtralForCausalLM",),

@@ -17,6 +17,7 @@ from .errors import UserError
 from .options import AdapterSpec, ExportOptions, ExportResult, MergeOptions, coerce_options
 
 if TYPE_CHECKING:  # the table is imported by the CLI's --help: nothing heavy at import time
+    from .adapter import Adapter
     from .checkpoint import Checkpoint
     from .merge import WeightedAdapter
 
@@ -157,14 +158,16 @@ def check_base(ckpt: Checkpoint, target: str) -> Checkpoint:
 def for_target(ckpt: Checkpoint, target: str) -> Checkpoint:
     """The checkpoint ``target`` exports: a multimodal one's text model for text-only targets (refused by the
     others with the reason)."""
-    from .multimodal import TEXT_ONLY_TARGETS, TEXT_TOWERS, text_tower_view
+    from .multimodal import (FULL_REFUSALS, FULL_TARGETS, MULTIMODAL_REFUSAL, TEXT_ONLY_TARGETS, TEXT_TOWERS,
+                             text_tower_view)
 
-    if ckpt.model_type not in TEXT_TOWERS:
+    if ckpt.model_type not in TEXT_TOWERS or target in FULL_TARGETS:
         return ckpt
     if target not in TEXT_ONLY_TARGETS:
-        raise UserError(f"--target {target} does not export multimodal {ckpt.model_type} checkpoints yet "
-                        "(their vision tower would have to be kept)",
-                        f"--target {' or '.join(TEXT_ONLY_TARGETS)} export its text model")
+        why = FULL_REFUSALS.get(target, MULTIMODAL_REFUSAL)
+        raise UserError(f"--target {target} does not export multimodal {ckpt.model_type} checkpoints: {why}",
+                        f"tuneport merge keeps the whole model; --target {' or '.join(TEXT_ONLY_TARGETS)} export "
+                        "its text model")
     return text_tower_view(ckpt)
 
 
@@ -185,15 +188,21 @@ def open_inputs(opts: MergeOptions, target: str) -> tuple[Checkpoint, list[Weigh
     from .checkpoint import Checkpoint
     from .io import check_output_path
     from .merge import WeightedAdapter
-    from .multimodal import text_tower_adapter
 
     check_output_path(opts.out, opts.force)
     ckpt = Checkpoint(opts.base, allow_pickle=opts.allow_pickle)
     view = check_base(ckpt, target)
     loaded = load_weighted(opts.adapters, opts.allow_pickle)
-    if view is not ckpt:
-        loaded = [WeightedAdapter(text_tower_adapter(w.adapter, ckpt.model_type, target), w.weight) for w in loaded]
+    loaded = [WeightedAdapter(adapter_for(w.adapter, ckpt, view, target), w.weight) for w in loaded]
     return view, loaded
+
+
+def adapter_for(adapter: Adapter, ckpt: Checkpoint, view: Checkpoint, target: str) -> Adapter:
+    """``adapter`` for the checkpoint ``target`` exports (``view``, from ``check_base``): renamed for a
+    multimodal model's text view (an adapter on its vision tower refused there)."""
+    from .multimodal import text_tower_adapter
+
+    return adapter if view is ckpt else text_tower_adapter(adapter, ckpt.model_type, target)
 
 
 def base_refusal(ckpt: Checkpoint, target: str) -> str | None:

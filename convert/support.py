@@ -51,11 +51,11 @@ NOT_YET_REASON = "no table entry yet: every target refuses it as an unsupported 
 
 def cell(target: str, model_type: str) -> str | None:
     """None when ``target`` exports ``model_type``; else the reason it refuses."""
-    from .multimodal import TEXT_ONLY_TARGETS, TEXT_TOWERS
+    from .multimodal import FULL_REFUSALS, FULL_TARGETS, MULTIMODAL_REFUSAL, TEXT_ONLY_TARGETS, TEXT_TOWERS
 
-    if model_type in TEXT_TOWERS:
+    if model_type in TEXT_TOWERS and target not in FULL_TARGETS:
         if target not in TEXT_ONLY_TARGETS:
-            return "multimodal checkpoints not exported yet (the vision tower would have to be kept)"
+            return FULL_REFUSALS.get(target, MULTIMODAL_REFUSAL)
         return cell(target, TEXT_TOWERS[model_type].text_model_type)
     if model_type not in ARCHS:
         return NOT_YET_REASON
@@ -69,7 +69,7 @@ def model_types() -> list[str]:
     """Every row of the matrix: the architectures, then the multimodal checkpoints whose text model is one."""
     from .multimodal import TEXT_TOWERS
 
-    return [*ARCHS, *TEXT_TOWERS]
+    return [*ARCHS, *(m for m in TEXT_TOWERS if m not in ARCHS)]
 
 
 def supported(target: str) -> list[str]:

@@ -15,7 +15,7 @@ from tuneport.convert.adapter import load_adapter
 from tuneport.convert.arch import arch_for
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import cached_export
+from tuneport.convert.export import adapter_for, cached_export, check_base
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
@@ -94,9 +94,10 @@ class LlamaCppBackend(InProcessBackend):
         out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}.gguf"
         if not out.exists():
             try:
-                ck = Checkpoint(self.hf_base)  # its own reader: conversions run in parallel threads
+                full = Checkpoint(self.hf_base)  # its own reader: conversions run in parallel threads
+                ck = check_base(full, "gguf")  # a multimodal model's text view
                 arch = arch_for(ck.model_type)
-                lora = build_gguf_lora(load_adapter(adapter_dir), ck, arch)
+                lora = build_gguf_lora(adapter_for(load_adapter(adapter_dir), full, ck, "gguf"), ck, arch)
             except UserError as e:
                 raise PoolError(e.message, e.hint, status=422) from e
             write_once(out, lambda tmp: write_gguf_lora(tmp, lora, arch, adapter_dir.name))

@@ -17,7 +17,7 @@ from pathlib import Path
 from tuneport.convert.adapter import load_adapter
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import cached_export
+from tuneport.convert.export import adapter_for, cached_export, check_base
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.mlx import ADAPTER_WEIGHTS, DEFAULT_SCALE
@@ -93,8 +93,9 @@ class MlxBackend(InProcessBackend):
         if out.exists():
             return out
         try:
-            ck = Checkpoint(base_dir)  # its own reader: conversions run in parallel threads
-            adapter = load_adapter(adapter_dir)
+            full = Checkpoint(base_dir)  # its own reader: conversions run in parallel threads
+            ck = check_base(full, "mlx") if self.hf_base else full  # a multimodal model's text view
+            adapter = adapter_for(load_adapter(adapter_dir), full, ck, "mlx")
             plan_merge(ck, [WeightedAdapter(adapter)])  # fits the base (MLX weights are read unpacked)
             converted = mlx_adapter(adapter, ck)
         except UserError as e:

@@ -86,7 +86,7 @@ def test_merge_matches_peft(zoo, tmp_path, ids, arch, variant):
     assert (unmerged - plain_base).abs().max().item() > 0.1
 
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["vocab_size"] == merged.shape[-1]
+    assert (cfg.get("text_config") or cfg)["vocab_size"] == merged.shape[-1]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"] == "merge" and manifest["outputs"]
 

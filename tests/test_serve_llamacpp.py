@@ -315,3 +315,16 @@ def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_pa
             results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, PROMPTS[j[1]], N), jobs))
     bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r != (200, want[j[0]][j[1]])]
     assert not bad, bad[:2]
+
+
+def test_multimodal_gemma3_base_serves_its_text_model_with_peft_adapters(zoo, tmp_path, monkeypatch):
+    """An HF Gemma 3 multimodal base: llama.cpp serves its text model (converted once), a PEFT adapter trained
+    on the whole model converted to the text model's GGUF LoRA; greedy tokens = PEFT's on the whole model."""
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    base, adapter = zoo.base("gemma3"), zoo.adapter("gemma3", "all_linear")
+    want = [greedy(load_peft(base, adapter), p, 4) for p in PROMPTS]
+    with tuneport.serve(base=base, adapters={"a": str(adapter)}, engine="llamacpp", dtype="fp32", kv_f32=True,
+                        n_ctx=64, contexts=1, port=0) as server:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        got = [ask_tokens(c, "a", p, 4) for p in PROMPTS]
+    assert got == [(200, w) for w in want]

@@ -50,7 +50,8 @@ def adapter_vocab(adapter: Path | str) -> int | None:
     f = Path(adapter) / "adapter_model.safetensors"
     with safe_open(str(f), "pt") as st:
         for k in st.keys():
-            if k.endswith(("embed_tokens.modules_to_save.weight", "embed_tokens.base_layer.weight")):
+            if k.endswith(("embed_tokens.modules_to_save.weight", "embed_tokens.base_layer.weight",
+                           "embed_tokens.weight")) and ".lora_" not in k:
                 return st.get_slice(k).get_shape()[0]
     return None
 

@@ -418,7 +418,8 @@ def _(w):
 
 @case("config", "no-model-type",
       "error: config.json names no model_type: add the model_type of its architecture (tuneport "
-      "supports: gemma2, gemma3_text, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe, "
+      "supports: gemma2, gemma3, gemma3_text, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, "
+      "qwen3_moe, "
       "smollm3)")
 def _(w):
     w.json_edit(w.base / "config.json", lambda c: c.pop("model_type"))
@@ -426,7 +427,7 @@ def _(w):
 
 
 @case("config", "unknown-architecture",
-      "error: unsupported architecture 'mamba': tuneport supports: gemma2, gemma3_text, granite, llama, "
+      "error: unsupported architecture 'mamba': tuneport supports: gemma2, gemma3, gemma3_text, granite, llama, "
       "mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe, smollm3")
 def _(w):
     w.config(model_type="mamba", architectures=["MambaForCausalLM"])
