@@ -158,8 +158,14 @@ def check_base(ckpt: Checkpoint, target: str) -> Checkpoint:
 def for_target(ckpt: Checkpoint, target: str) -> Checkpoint:
     """The checkpoint ``target`` exports: a multimodal one's text model for text-only targets (refused by the
     others with the reason)."""
-    from .multimodal import (FULL_REFUSALS, FULL_TARGETS, MULTIMODAL_REFUSAL, TEXT_ONLY_TARGETS, TEXT_TOWERS,
-                             text_tower_view)
+    from .multimodal import (
+        FULL_REFUSALS,
+        FULL_TARGETS,
+        MULTIMODAL_REFUSAL,
+        TEXT_ONLY_TARGETS,
+        TEXT_TOWERS,
+        text_tower_view,
+    )
 
     if ckpt.model_type not in TEXT_TOWERS or target in FULL_TARGETS:
         return ckpt

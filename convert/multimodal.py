@@ -35,7 +35,8 @@ TEXT_TOWERS: dict[str, TextTower] = {
         renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
         vision=("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."),
-        checkpoint_renames=(("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+        checkpoint_renames=(("model.language_model.", "language_model.model."),
+                            ("model.vision_tower.", "vision_tower."),
                             ("model.multi_modal_projector.", "multi_modal_projector."),
                             ("lm_head.", "language_model.lm_head.")),
     ),
@@ -143,8 +144,9 @@ def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapte
     if vision:
         raise UserError(f"adapter {adapter.name} changes the vision tower ({vision[0]}"
                         f"{f' and {len(vision) - 1} more' if len(vision) > 1 else ''}), which --target {target} "
-                        "drops: its outputs would differ on images", "merge it (tuneport merge keeps the vision tower), or "
-                        "train the adapter on the language model only")
+                        "drops: its outputs would differ on images",
+                        "merge it (tuneport merge keeps the vision tower), or train the adapter on the language model "
+                        "only")
     out = copy.copy(adapter)
     out.modules = {}
     for mod in adapter.modules.values():

@@ -52,7 +52,8 @@ def test_merge_keeps_the_vision_tower_and_equals_peft_on_images(zoo, tmp_path, c
         got, want, plain = (m(input_ids=ids, pixel_values=pixels).logits for m in (merged, peft, base_model))
     assert (got - want).abs().max().item() <= 1e-4
     assert (want - plain).abs().max().item() > 0.1
-    vision_q = next(n for n in Checkpoint(base).names() if n.startswith("vision_tower.") and n.endswith("q_proj.weight"))
+    vision_q = next(n for n in Checkpoint(base).names()
+                    if n.startswith("vision_tower.") and n.endswith("q_proj.weight"))
     assert not torch.equal(Checkpoint(out).read(vision_q), Checkpoint(base).read(vision_q))  # the vision LoRA merged
 
 
