@@ -106,11 +106,10 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
     return out
 
 
-def expert_modules(arch: ArchSpec) -> tuple[str, ...]:
-    """The per-expert projection names on disk (empty for a dense architecture)."""
+def expert_tensor(arch: ArchSpec) -> re.Pattern | None:
+    """Matches a per-expert tensor on disk: groups (the block, the expert, the projection); None when dense."""
     layout = arch.experts
-    return () if layout is None else (layout.gate, layout.up, layout.down)
-
+    return None if layout is None else re.compile(rf"^(.*\.{layout.disk_block})\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -143,10 +142,9 @@ def expert_groups(arch: ArchSpec, config: dict, names: list[str]) -> dict[str, t
     """Per-expert tensor -> (its MoE block, e.g. ``model.layers.0.block_sparse_moe``; its projection on disk,
     e.g. ``w1``; the tensors of that block and projection in expert order): what engines that stack a layer's
     experts (llama.cpp, mlx-lm) stack. A group missing an expert the config counts is refused."""
-    layout = arch.experts
-    if layout is None:
+    layout, pattern = arch.experts, expert_tensor(arch)
+    if layout is None or pattern is None:
         return {}
-    pattern = re.compile(rf"^(.*\.{layout.disk_block})\.experts\.(\d+)\.(\w+)\.weight$")
     groups: dict[tuple[str, str], dict[int, str]] = {}
     for name in names:
         if m := pattern.match(name):

@@ -8,7 +8,6 @@ alpha is chosen so that this is PEFT's scale (rsLoRA: ``alpha·sqrt(r)``); where
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ..adapter import Adapter, LoraModule, saved_base_layers
 from ..arch import ArchSpec
 from ..checkpoint import Checkpoint
 from ..errors import UserError
+from ..experts import expert_tensor
 from ..merge import WeightedAdapter, plan_merge
 from .model import gguf_arch_for, permute_qk, qk_heads
 
@@ -78,10 +78,10 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     lora = GGUFLora(alpha)
     q_factor = gguf_config_facts(arch.model_type, cfg).q_proj_factor
     experts: dict[str, dict[int, LoraModule]] = {}  # stacked GGUF tensor -> expert -> its LoRA
-    expert_key = _expert_pattern(arch)
+    expert_key = expert_tensor(arch)
     for mod in adapter.modules.values():
         if expert_key and (m := expert_key.match(mod.target)):
-            gname = tmap.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
+            gname = tmap.get_name(f"{m[1]}.experts.{m[3]}.weight", try_suffixes=(".weight",))  # the stacked name
             experts.setdefault(gname, {})[int(m[2])] = mod
             continue
         gname = tmap.get_name(mod.target, try_suffixes=(".weight",))
@@ -105,11 +105,6 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     for gname, mods in experts.items():
         _stack_experts(lora, gname, mods, arch.experts.expert_count(cfg))
     return lora
-
-
-def _expert_pattern(arch: ArchSpec) -> re.Pattern | None:
-    layout = arch.experts
-    return None if layout is None else re.compile(rf"^(.*\.{layout.disk_block}\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def _stack_experts(lora: GGUFLora, gname: str, mods: dict[int, LoraModule], n_experts: int) -> None:
