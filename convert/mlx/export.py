@@ -30,6 +30,7 @@ from ..tensors import TensorMeta
 from . import INSTALL_HINT
 from .adapters import MlxAdapter, mlx_adapter, write_mlx_adapter
 from .archs import MlxArch, mlx_arch_for, mlx_config
+from .config_keys import audit_mlx_config
 from .quant import QuantPlan, group_size_for, quant_type, quantize, quantized_shapes
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     arch = ckpt.arch
     dtype = output_dtype(plan, opts.dtype)
     cfg, filled = mlx_config(plan.config)
+    audit_mlx_config(cfg)  # a key mlx-lm would silently drop, at a value that changes the model: refused
     # mlx-lm ties (and drops a stored lm_head) by the config; transformers ties when the key is absent
     tied = f"{arch.lm_head}.weight" not in {s.name for s in plan.specs} or bool(
         cfg.get("tie_word_embeddings", True) and not plan.untied)

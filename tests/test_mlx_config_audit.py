@@ -1,0 +1,59 @@
+"""The config audit for --target mlx: a key mlx-lm does not read (its ModelArgs has no such field) at a value
+that changes the model is refused with the reason, exit 2 and nothing written; what mlx-lm reads, or tuneport
+rewrites for it, passes (parity in tests/test_mlx_export.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tuneport.convert.mlx.archs import MLX_ARCHS
+from tuneport.toolkit.tiny import make_base
+
+pytest.importorskip("mlx_lm")
+
+CASES = [  # (arch, config values the tiny model is built with, a piece of the refusal)
+    ("llama", {"hidden_act": "gelu"}, "mlx-lm's llama does not read hidden_act"),
+    ("qwen3", {"attention_bias": True}, "mlx-lm's qwen3 does not read attention_bias"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, "with full attention"),
+    ("mixtral", {"sliding_window": 8}, "sliding window of 8 tokens"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
+               "sliding_window": 8}, "with full attention"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "reason"), CASES, ids=[f"{c[0]}-{next(iter(c[1]))}" for c in CASES])
+def test_a_key_mlx_lm_would_drop_is_refused(cli, tmp_path, arch, overrides, reason):
+    base = make_base(arch, tmp_path / "base", dims=overrides)
+    out = tmp_path / "mlx"
+    code, _, err = cli("export", "--base", base, "--target", "mlx", "--out", out)
+    assert code == 2 and reason in err and "Traceback" not in err and not out.exists(), err
+
+
+def test_an_unknown_key_is_refused_and_known_defaults_pass(cli, zoo, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(zoo.base("llama"), base)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "attn_temperature": 0.5}))
+    code, _, err = cli("export", "--base", base, "--target", "mlx", "--out", tmp_path / "mlx")
+    assert code == 2 and "not in tuneport's audit for --target mlx" in err, err
+
+
+def test_every_architecture_has_rules_from_mlx_lm():
+    """The rules come from mlx-lm's ModelArgs: every field is read, and every transformers key is ruled on."""
+    import dataclasses
+    import importlib
+
+    from transformers import AutoConfig
+
+    from tuneport.convert.mlx.config_keys import mlx_config_rules
+
+    for arch, march in MLX_ARCHS.items():
+        rules = mlx_config_rules(arch)
+        fields = {f.name for f in dataclasses.fields(importlib.import_module(f"mlx_lm.models.{march.mlx_model}")
+                                                     .ModelArgs)}
+        assert all(rules[k].how == "carried" for k in fields), arch
+        assert set(AutoConfig.for_model(arch).to_dict()) <= set(rules), arch
