@@ -123,7 +123,6 @@ class ParamLora:
     (rank-major columns), PEFT's ``ParamWrapper`` layout; a 2-D parameter is a plain LoRA."""
 
     container: str  # the module holding the parameter, ``.base_layer`` wrappers removed
-    depth: int  # how many ParamWrappers wrap it (PEFT nests one per targeted parameter of a module)
     A: torch.Tensor
     B: torch.Tensor
 
@@ -342,7 +341,7 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
         container = re.sub(r"(\.base_layer)+$", "", module)
         if targets and (container != module or container.rsplit(".", 1)[-1] in containers) \
                 and set(p) == {"lora_A", "lora_B"}:
-            adapter.param_loras.append(ParamLora(container, module.count(".base_layer"), p["lora_A"], p["lora_B"]))
+            adapter.param_loras.append(ParamLora(container, p["lora_A"], p["lora_B"]))
             continue
         kind = "embedding" if "lora_embedding_A" in p or "lora_embedding_B" in p else "linear"
         a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if kind == "embedding" else ("lora_A", "lora_B")

@@ -27,7 +27,11 @@ class ExpertLayout:
     router: str = "gate"  # the router (a [E, H] linear) inside the block, both in memory and on disk
 
     def expert_count(self, config: dict) -> int:
-        return int(next(config[k] for k in self.expert_count_keys if config.get(k) is not None))
+        count = next((config[k] for k in self.expert_count_keys if config.get(k) is not None), None)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise UserError(f"config.json gives no expert count ({' or '.join(self.expert_count_keys)}: {count!r})",
+                            "add the number of experts per layer to config.json")
+        return count
 
 
 @dataclass(frozen=True)

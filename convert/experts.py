@@ -64,6 +64,18 @@ def _rank_alpha(adapter: Adapter, parameter: str, rank: int) -> tuple[float, flo
     return alpha, scale
 
 
+TRANSPOSED_BEFORE = (0, 19, 1)  # PEFT < 0.19.1 kept the expert parameter's [in, out] order in A and B
+
+
+def _layouts(adapter: Adapter) -> tuple[bool, ...]:
+    """Whether the fused-expert LoRA may be PEFT's old, transposed layout (False: the current one)."""
+    version = str(adapter.config.get("peft_version") or "")
+    m = re.match(r"^(\d+)\.(\d+)\.(\d+)", version)
+    if m is None:
+        return (False, True)  # unknown: told apart by the shapes
+    return (tuple(map(int, m.groups())) < TRANSPOSED_BEFORE,)
+
+
 def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout, n_experts: int,
            base: Checkpoint) -> list[LoraModule]:
     A, B = p.A, p.B
@@ -87,12 +99,19 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
     inter, hidden = gate
     shapes = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # (in, out) per expert
     wanted = [t.rsplit(".", 1)[-1] for t in adapter.config.get("target_parameters") or []]
-    fits = [f for f in FUSED if f in wanted and shapes[f] == (A.shape[1], B.shape[0])]
+    layouts = _layouts(adapter)
+    fits = [(f, transposed) for f in FUSED if f in wanted for transposed in layouts
+            if (shapes[f][::-1] if transposed else shapes[f]) == (A.shape[1], B.shape[0])]
     if len(fits) != 1 or A.shape[0] % n_experts:
+        if len({f for f, _ in fits}) == 1 and len(fits) == 2:
+            raise UserError(f"adapter {adapter.name}: PEFT's layout of the LoRA on {p.container} cannot be told from "
+                            "its square shapes, and adapter_config.json names no peft_version (PEFT before 0.19.1 "
+                            "stored expert LoRA transposed)",
+                            "add the peft_version that saved it to adapter_config.json")
         raise UserError(f"adapter {adapter.name}: the LoRA on {p.container} (lora_A {list(A.shape)}, lora_B "
                         f"{list(B.shape)}) fits none of the base's {n_experts} experts",
                         "the adapter was trained on another model: pass the base it was trained on")
-    fused = fits[0]
+    fused, transposed = fits[0]
     rank = A.shape[0] // n_experts
     alpha, scale = _rank_alpha(adapter, f"{p.container}.{fused}", rank)
     a3 = A.reshape(n_experts, rank, A.shape[1])
@@ -100,6 +119,8 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
     out = []
     for e in range(n_experts):
         a, b = a3[e].contiguous(), b3[:, :, e].contiguous()
+        if transposed:  # delta = (B_e A_e)ᵀ = A_eᵀ B_eᵀ: a LoRA with A' = B_eᵀ, B' = A_eᵀ
+            a, b = b.T.contiguous(), a.T.contiguous()
         parts = ({layout.gate: b[:inter], layout.up: b[inter:]} if fused == "gate_up_proj" else {layout.down: b})
         out += [LoraModule(f"{disk}.experts.{e}.{proj}", "linear", a, part.contiguous(), rank, alpha, scale)
                 for proj, part in parts.items()]

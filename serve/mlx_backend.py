@@ -96,6 +96,12 @@ class MlxBackend(InProcessBackend):
             full = Checkpoint(base_dir)  # its own reader: conversions run in parallel threads
             ck = check_base(full, "mlx") if self.hf_base else full  # a multimodal model's text view
             adapter = adapter_for(load_adapter(adapter_dir), full, ck, "mlx")
+            on_experts = adapter.param_loras or any(".experts." in m.module for m in adapter.modules.values())
+            if self.hf_base is None and on_experts and any(".switch_mlp." in n for n in ck.names()):
+                raise UserError(f"{adapter_dir.name} is a PEFT adapter and {base_dir.name} an MLX mixture-of-experts "
+                                "model (experts stacked), which PEFT's names cannot be matched against",
+                                "start with --base HF_DIR (the model the adapter was trained on), or pass the "
+                                "mlx-lm adapter tuneport export --target mlx --adapters separate wrote")
             plan_merge(ck, [WeightedAdapter(adapter)])  # fits the base (MLX weights are read unpacked)
             converted = mlx_adapter(adapter, ck)
         except UserError as e:

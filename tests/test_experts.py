@@ -56,3 +56,40 @@ def test_disk_shapes_split_the_fused_experts():
     want.update({f"{moe}.gate.weight": (2, 4), "model.layers.0.self_attn.q_proj.weight": (4, 4)})
     assert disk == want
     assert disk_shapes(ARCHS["llama"], memory) is memory
+
+
+def _to_old_peft_layout(adapter, out):
+    """The same fused-expert LoRA as PEFT before 0.19.1 saved it: A and B in the expert parameter's own order,
+    delta_e = (B_e A_e)ᵀ (A' = B_eᵀ, B' = A_eᵀ), peft_version 0.18.0."""
+    shutil.copytree(adapter, out)
+    sd = load_file(out / "adapter_model.safetensors")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    n = 4  # the tiny MoE models' experts
+    for key in [k for k in sd if ".experts." in k and k.endswith("lora_A.weight")]:
+        a, b = sd[key], sd[key.replace("lora_A", "lora_B")]
+        r = a.shape[0] // n
+        a3, b3 = a.reshape(n, r, a.shape[1]), b.reshape(b.shape[0], r, n)
+        sd[key] = torch.stack([b3[:, :, e].T for e in range(n)]).reshape(n * r, b.shape[0])
+        sd[key.replace("lora_A", "lora_B")] = torch.stack([a3[e].T for e in range(n)], dim=-1).reshape(
+            a.shape[1], r * n)
+    save_file(sd, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "peft_version": "0.18.0"}))
+    return out
+
+
+def test_old_peft_expert_layout_merges_like_the_current_one(zoo, cli, tmp_path, ids):
+    """PEFT before 0.19.1 stored fused-expert LoRA transposed; told by peft_version, it merges to the same model.
+    Without a peft_version, square expert shapes (Qwen3-MoE's gate_up_proj here) are refused, not guessed."""
+    from tuneport.toolkit.fidelity import load_hf, load_peft, logits
+
+    base, adapter = zoo.base("qwen3_moe"), zoo.adapter("qwen3_moe", "experts")
+    old = _to_old_peft_layout(adapter, tmp_path / "old")
+    code, _, err = cli("merge", "--base", base, "--adapter", old, "--out", tmp_path / "merged")
+    assert code == 0, err
+    want = logits(load_peft(base, adapter), ids)
+    assert (logits(load_hf(tmp_path / "merged"), ids) - want).abs().max().item() <= 1e-4
+    cfg = json.loads((old / "adapter_config.json").read_text())
+    del cfg["peft_version"]
+    (old / "adapter_config.json").write_text(json.dumps(cfg))
+    code, _, err = cli("merge", "--base", base, "--adapter", old, "--out", tmp_path / "guessed")
+    assert code == 2 and "cannot be told from its square shapes" in err and not (tmp_path / "guessed").exists(), err

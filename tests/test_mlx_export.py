@@ -306,3 +306,15 @@ def test_quantization_kl_on_a_trained_model(tmp_path, capsys):
     kls = dict((n, k) for n, k, _ in rows)
     assert kls["q8"] < kls["q6"] < kls["q4"] < kls["q3"] < kls["q2"]
     assert kls["q8"] < 2e-3 and kls["q4"] < 0.1
+
+
+def test_moe_with_a_dense_layer_as_mlx_adapter_equals_peft(cli, tmp_path):
+    """Qwen3-MoE with a dense first layer (mlp_only_layers): the adapter's expert keys exist in the sparse layer
+    only, and mlx-lm adapts each layer's own modules; unmerged = PEFT."""
+    base = make_base("qwen3_moe", tmp_path / "base", dims={"mlp_only_layers": [0]})
+    adapter = make_adapter(base, "all_linear", tmp_path / "adapter")
+    out = tmp_path / "separate"
+    export(cli, base, out, "--adapter", f"a={adapter}", "--adapters", "separate")
+    separate = in_mlx(out, out / "adapters" / "a")
+    assert (separate - reference(base, adapter)).abs().max().item() <= TOL
+    assert (separate - reference(base)).abs().max().item() > 0.1

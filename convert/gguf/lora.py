@@ -82,6 +82,8 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     for mod in adapter.modules.values():
         if expert_key and (m := expert_key.match(mod.target)):
             gname = tmap.get_name(f"{m[1]}.experts.{m[3]}.weight", try_suffixes=(".weight",))  # the stacked name
+            if gname is None:
+                raise UserError(f"adapter {adapter.name}: {mod.module} has no GGUF tensor name", MERGE_HINT)
             experts.setdefault(gname, {})[int(m[2])] = mod
             continue
         gname = tmap.get_name(mod.target, try_suffixes=(".weight",))
@@ -115,12 +117,16 @@ def _stack_experts(lora: GGUFLora, gname: str, mods: dict[int, LoraModule], n_ex
     first = next(iter(mods.values()))
     a = torch.zeros(n_experts, rank, first.A.shape[1])
     b = torch.zeros(n_experts, first.B.shape[0], rank)
+    folded = False
     for e, mod in mods.items():
+        factor = mod.scale * rank / lora.alpha
         a[e, :mod.rank] = mod.A.float()
-        b[e, :, :mod.rank] = mod.B.float() * (mod.scale * rank / lora.alpha)
+        b[e, :, :mod.rank] = mod.B.float() * factor
+        folded |= not math.isclose(factor, 1.0, rel_tol=1e-12)
     lora.tensors[f"{gname}.lora_a"] = a
     lora.tensors[f"{gname}.lora_b"] = b
-    lora.folded.append(gname)
+    if folded:
+        lora.folded.append(gname)
 
 
 def write_gguf_lora(out: Path, lora: GGUFLora, arch: ArchSpec, name: str) -> None:

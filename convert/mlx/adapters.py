@@ -34,6 +34,7 @@ from ..adapter import Adapter, saved_base_layers
 from ..arch import arch_for
 from ..checkpoint import Checkpoint
 from ..errors import UserError
+from ..experts import expert_tensor, fit_to_base
 from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .archs import mlx_arch_for
 
@@ -81,6 +82,9 @@ def refusals(adapter: Adapter, base: Checkpoint) -> list[str]:
         reasons.append("it has LoRA biases (lora_bias), which mlx-lm's LoRA layers lack")
     if any(m.fan_in_fan_out for m in adapter.modules.values()):
         reasons.append("fan_in_fan_out (Conv1D weights): no architecture mlx exports here has them")
+    pattern = expert_tensor(arch_for(base.model_type))
+    if pattern and any(m.magnitude is not None and pattern.match(m.target) for m in adapter.modules.values()):
+        reasons.append("DoRA on the experts: mlx-lm's LoRASwitchLinear has no DoRA")
     if base.tied_embeddings and any(m.kind == "embedding" for m in adapter.modules.values()):
         reasons.append("embedding LoRA over tied embeddings: mlx-lm would apply it to the output projection "
                        "too, PEFT applies it to the input lookup only")
@@ -89,6 +93,7 @@ def refusals(adapter: Adapter, base: Checkpoint) -> list[str]:
 
 def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     """``adapter`` (already checked against ``base`` by ``plan_merge``) in mlx-lm's layout, or a UserError."""
+    fit_to_base(adapter, base)  # mixture-of-experts LoRA as per-expert modules (idempotent)
     if reasons := refusals(adapter, base):
         raise UserError(f"adapter {adapter.name} cannot be an mlx-lm adapter: {'; '.join(reasons)}", MERGE_HINT)
     arch = arch_for(base.model_type)
@@ -132,7 +137,7 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
             out.tensors[f"{path}.m"] = mod.magnitude.float().numpy()
 
     n_experts = arch.experts.expert_count(base.config) if arch.experts else 0
-    stacked_disk = {f"{sw}": proj for proj, sw in switch.items()}
+    stacked_disk = {sw: proj for proj, sw in switch.items()}
 
     def put_experts(path: str, mods: dict, shape: tuple[int, int]) -> None:
         """mlx-lm's LoRASwitchLinear: ``lora_a [E, r, in]``, ``lora_b [E, out, r]`` (not transposed); experts
@@ -162,9 +167,8 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
                 put(path, mod)
                 continue
             shape = base.weight_shape(f"{path}.weight")
-            if shape is None:
-                raise UserError(f"adapter {adapter.name} adapts {key}, which layer {i} of the base lacks",
-                                MERGE_HINT)
+            if shape is None:  # a layer without this module (a dense layer of a MoE model): mlx-lm skips it too
+                continue
             out.tensors[f"{path}.lora_a"] = np.zeros((shape[1], rank), np.float32)
             out.tensors[f"{path}.lora_b"] = np.zeros((rank, shape[0]), np.float32)
             filled += 1
