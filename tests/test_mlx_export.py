@@ -189,7 +189,7 @@ def test_every_lora_variant_as_mlx_adapter_equals_peft(cli, bases, adapters, tmp
 MOE = [a for a in supported("mlx") if (spec := known_arch(a)) is not None and spec.experts is not None]
 
 
-@pytest.mark.parametrize("variant", ["experts", "per_expert", "all_linear"])
+@pytest.mark.parametrize("variant", ["experts", "experts_patterns", "per_expert", "all_linear"])
 @pytest.mark.parametrize("arch", MOE)
 def test_expert_lora_as_mlx_adapter_equals_peft(cli, zoo, tmp_path, arch, variant):
     """LoRA on the experts (fused target_parameters, transformers 4's per-expert modules, or all linears with the

@@ -69,6 +69,10 @@ MOE_VARIANTS: dict[str, Variant] = {
     for v in [
         Variant("experts", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+        Variant("experts_patterns", dict(
+            r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            rank_pattern={"down_proj": 4}, alpha_pattern={"gate_up_proj": 16})),
         Variant("per_expert", {}),
     ]
 }
