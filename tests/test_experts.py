@@ -93,3 +93,17 @@ def test_old_peft_expert_layout_merges_like_the_current_one(zoo, cli, tmp_path, 
     (old / "adapter_config.json").write_text(json.dumps(cfg))
     code, _, err = cli("merge", "--base", base, "--adapter", old, "--out", tmp_path / "guessed")
     assert code == 2 and "cannot be told from its square shapes" in err and not (tmp_path / "guessed").exists(), err
+
+
+def test_inspect_counts_expert_lora(zoo):
+    """inspect on a fused-expert adapter alone: its target_parameters and their LoRA parameters are counted."""
+    from tuneport.toolkit.inspect import inspect_adapter
+
+    from tuneport.convert.adapter import load_adapter
+
+    path = zoo.adapter("qwen3_moe", "experts")
+    report = inspect_adapter(path)
+    assert report["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    attention = sum(m.A.numel() + m.B.numel() for m in load_adapter(path).modules.values())
+    assert report["parameters"] > attention and set(report["targets"]) == {"q_proj", "v_proj"}
+    assert "GPU (Triton) kernels only" in report["engines"]["vllm"]["reason"]

@@ -130,10 +130,12 @@ def inspect_adapter(path: Path) -> dict:
         "lora_alpha": cfg.get("lora_alpha"),
         "ranks": a.ranks,
         "targets": a.target_suffixes,
+        "target_parameters": sorted(cfg.get("target_parameters") or []),  # LoRA on raw parameters (MoE experts)
         "modules_to_save": a.modules_to_save,
         "flags": a.flags(),
         "dtype": str(a.dtype).replace("torch.", ""),
-        "parameters": sum(m.A.numel() + m.B.numel() for m in a.modules.values()),
+        "parameters": sum(m.A.numel() + m.B.numel() for m in a.modules.values())
+        + sum(p.A.numel() + p.B.numel() for p in a.param_loras),
         "bytes": a.file.stat().st_size if a.file else 0,
         "modules": modules,
         "engines": engines,
