@@ -97,9 +97,8 @@ def test_old_peft_expert_layout_merges_like_the_current_one(zoo, cli, tmp_path, 
 
 def test_inspect_counts_expert_lora(zoo):
     """inspect on a fused-expert adapter alone: its target_parameters and their LoRA parameters are counted."""
-    from tuneport.toolkit.inspect import inspect_adapter
-
     from tuneport.convert.adapter import load_adapter
+    from tuneport.toolkit.inspect import inspect_adapter
 
     path = zoo.adapter("qwen3_moe", "experts")
     report = inspect_adapter(path)
