@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .adapter import Adapter, saved_base_layers
 from .arch import ArchSpec
 from .checkpoint import Checkpoint
+from .multimodal import FULL_REFUSALS, TEXT_TOWERS
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_MODULES_TO_SAVE_OK = ("classifier", "score")
@@ -75,6 +76,8 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
                            f"{MERGE_HINT}, or raise --max-lora-rank")
     if arch is not None and arch.experts is not None:
         pf.problems.append(f"{MOE_LORA_REFUSAL}: {MOE_HINT}")
+    if arch is not None and arch.model_type in TEXT_TOWERS and "vllm" in FULL_REFUSALS:
+        pf.problems.append(f"multimodal {arch.model_type}: {FULL_REFUSALS['vllm']}: use tuneport merge")
     if arch is not None:
         bad = sorted({s for s in adapter.target_suffixes if s not in arch.vllm_lora_modules})
         if bad:
