@@ -312,6 +312,18 @@ def load_adapter(path: str | Path, name: str | None = None, allow_pickle: bool =
     return adapter
 
 
+def module_scale(adapter: Adapter, name: str, rank: int) -> tuple[float, float]:
+    """(alpha, PEFT's scale) of the LoRA on ``name`` with ``rank`` rows, by the config's patterns (PEFT's
+    suffix rule); a UserError when the config says another rank."""
+    cfg = adapter.config
+    expected = int(pattern_value(cfg.get("rank_pattern") or {}, name) or cfg["r"])
+    if expected != rank:
+        raise UserError(f"adapter {adapter.path}: {name} has rank {rank}, config says {expected}",
+                        "adapter_config.json does not belong to these weights")
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, name) or cfg["lora_alpha"])
+    return alpha, alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
 def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
     cfg = adapter.config
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -330,9 +342,7 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
         raise UserError(f"adapter {adapter.path} has tensors tuneport does not recognise: {unknown[:3]}",
                         "only LoRA adapters saved by PEFT are supported")
 
-    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    rslora, fifo = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    fifo = bool(cfg.get("fan_in_fan_out"))
     # modules holding a targeted parameter: named in target_parameters ("mlp.experts.down_proj"), or
     # transformers' fused "experts" for bare names ("down_proj"), or wrapped more than once
     targets = cfg.get("target_parameters") or []
@@ -358,12 +368,7 @@ def _parse_tensors(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
         if B.shape[-1] != rank:
             raise UserError(f"adapter {adapter.path}: {module} has A rank {rank} but B {list(B.shape)}",
                             "the adapter file is corrupt: re-save it")
-        expected_rank = pattern_value(rank_pattern, module) or r
-        if int(expected_rank) != rank:
-            raise UserError(f"adapter {adapter.path}: {module} has rank {rank}, config says {expected_rank}",
-                            "adapter_config.json does not belong to these weights")
-        mod_alpha = float(pattern_value(alpha_pattern, module) or alpha)
-        scale = mod_alpha / math.sqrt(rank) if rslora else mod_alpha / rank
+        mod_alpha, scale = module_scale(adapter, module, rank)
         magnitude = p.get("lora_magnitude_vector")
         if magnitude is not None and kind == "embedding":
             raise UserError(f"adapter {adapter.path}: DoRA on embedding {module} is not supported", "")

@@ -10,10 +10,9 @@ GGUF LoRA) works on the disk names, so a fused LoRA is split here, exactly: expe
 
 from __future__ import annotations
 
-import math
 import re
 
-from .adapter import Adapter, LoraModule, ParamLora, pattern_value
+from .adapter import Adapter, LoraModule, ParamLora, module_scale
 from .arch import ArchSpec, ExpertLayout
 from .checkpoint import Checkpoint
 from .errors import UserError
@@ -53,17 +52,6 @@ def _rename_router(adapter: Adapter, layout: ExpertLayout) -> None:
             adapter.modules[mod.target] = mod
 
 
-def _rank_alpha(adapter: Adapter, parameter: str, rank: int) -> tuple[float, float]:
-    cfg = adapter.config
-    expected = int(pattern_value(cfg.get("rank_pattern") or {}, parameter) or cfg["r"])
-    if expected != rank:
-        raise UserError(f"adapter {adapter.path}: {parameter} has rank {rank}, config says {expected}",
-                        "adapter_config.json does not belong to these weights")
-    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, parameter) or cfg["lora_alpha"])
-    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    return alpha, scale
-
-
 TRANSPOSED_BEFORE = (0, 19, 1)  # PEFT < 0.19.1 kept the expert parameter's [in, out] order in A and B
 
 
@@ -90,7 +78,7 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
     layer, kind = m[1], m[2]
     disk = f"{layer}.{layout.disk_block}"
     if kind != "experts":  # the router: a 2-D parameter, a plain LoRA
-        alpha, scale = _rank_alpha(adapter, f"{p.container}.weight", A.shape[0])
+        alpha, scale = module_scale(adapter, f"{p.container}.weight", A.shape[0])
         return [LoraModule(f"{disk}.{layout.router}", "linear", A, B, A.shape[0], alpha, scale)]
     gate = base.weight_shape(f"{disk}.experts.0.{layout.gate}.weight")
     if gate is None:
@@ -113,7 +101,7 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
                         "the adapter was trained on another model: pass the base it was trained on")
     fused, transposed = fits[0]
     rank = A.shape[0] // n_experts
-    alpha, scale = _rank_alpha(adapter, f"{p.container}.{fused}", rank)
+    alpha, scale = module_scale(adapter, f"{p.container}.{fused}", rank)
     a3 = A.reshape(n_experts, rank, A.shape[1])
     b3 = B.reshape(B.shape[0], rank, n_experts)
     out = []

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import importlib
 
-from ..config_audit import KeyRule, audit, class_default
+from ..config_audit import KeyRule, audit
 from .archs import mlx_arch_for
 
 
@@ -65,7 +65,7 @@ def mlx_config_rules(model_type: str) -> dict[str, KeyRule]:
     rules: dict[str, KeyRule] = {}
     for key, default in AutoConfig.for_model(model_type).to_dict().items():
         rules[key] = KeyRule("refused unless", f"transformers' default ({default!r}): mlx-lm's {module} does not read "
-                             "it", lambda v, cfg, k=key, d=default: None if v == class_default(model_type, k) else
+                             "it", lambda v, cfg, k=key, d=default: None if v == d else
                              f"mlx-lm's {module} does not read {k} (it runs as if it were {d!r})")
     rules.update(COMMON)
     rules.update(FIXED.get(model_type, {}))
