@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from .errors import UserError
 
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LLAMA_LINEARS = (*ATTENTION_LINEARS, "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,8 @@ ARCHS: dict[str, ArchSpec] = {
         ("MixtralForCausalLM",),
         gguf_arch="llama",
         rope_style="normal",
-        linear_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
-        vllm_lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        linear_modules=ATTENTION_LINEARS,  # the experts' projections are per expert (ExpertLayout)
+        vllm_lora_modules=ATTENTION_LINEARS,
         experts=ExpertLayout("block_sparse_moe", "w1", "w3", "w2"),
         notes=("mixture of experts: a router and per-expert w1/w3/w2 under block_sparse_moe on disk (transformers 5 "
                "fuses them into mlp.experts in memory)",),
@@ -169,8 +170,8 @@ ARCHS: dict[str, ArchSpec] = {
         ("Qwen3MoeForCausalLM",),
         gguf_arch="qwen3moe",
         rope_style="neox",
-        linear_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
-        vllm_lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        linear_modules=ATTENTION_LINEARS,  # the experts' projections are per expert (ExpertLayout)
+        vllm_lora_modules=ATTENTION_LINEARS,
         experts=ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj"),
         notes=("mixture of experts: a router and per-expert gate/up/down projections; per-head q_norm / k_norm",),
     ),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from .adapter import Adapter, LoraModule, ParamLora, module_scale
 from .arch import ArchSpec, ExpertLayout
 from .checkpoint import Checkpoint
@@ -169,3 +171,16 @@ def expert_groups(arch: ArchSpec, config: dict, names: list[str]) -> dict[str, t
         order = tuple(members[e] for e in range(n))
         out.update({name: (block, proj, order) for name in order})
     return out
+
+
+def stack_expert_loras(mods: dict[int, LoraModule], n_experts: int, rank: int, shape: tuple[int, int],
+                       factor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's expert LoRAs of one projection stacked as llama.cpp and mlx-lm apply them (gathered by
+    expert): ``a [E, rank, in]``, ``b [E, out, rank]`` with ``factor(mod)`` folded into each B; ranks below
+    ``rank`` padded with zeros, experts without a LoRA all zeros. ``shape``: one expert's ``(out, in)``."""
+    a = torch.zeros(n_experts, rank, shape[1])
+    b = torch.zeros(n_experts, shape[0], rank)
+    for e, mod in mods.items():
+        a[e, :mod.rank] = mod.A.float()
+        b[e, :, :mod.rank] = mod.B.float() * factor(mod)
+    return a, b

@@ -18,7 +18,7 @@ from ..adapter import Adapter, LoraModule, saved_base_layers
 from ..arch import ArchSpec
 from ..checkpoint import Checkpoint
 from ..errors import UserError
-from ..experts import expert_tensor
+from ..experts import expert_tensor, stack_expert_loras
 from ..merge import WeightedAdapter, plan_merge
 from .model import gguf_arch_for, permute_qk, qk_heads
 
@@ -115,17 +115,11 @@ def _stack_experts(lora: GGUFLora, gname: str, mods: dict[int, LoraModule], n_ex
     for the shared ``alpha / R``; ranks below R padded with zeros, experts without a LoRA all zeros."""
     rank = max(m.rank for m in mods.values())
     first = next(iter(mods.values()))
-    a = torch.zeros(n_experts, rank, first.A.shape[1])
-    b = torch.zeros(n_experts, first.B.shape[0], rank)
-    folded = False
-    for e, mod in mods.items():
-        factor = mod.scale * rank / lora.alpha
-        a[e, :mod.rank] = mod.A.float()
-        b[e, :, :mod.rank] = mod.B.float() * factor
-        folded |= not math.isclose(factor, 1.0, rel_tol=1e-12)
+    factor = lambda mod: mod.scale * rank / lora.alpha  # noqa: E731 - llama.cpp applies alpha / rank
+    a, b = stack_expert_loras(mods, n_experts, rank, (first.B.shape[0], first.A.shape[1]), factor)
     lora.tensors[f"{gname}.lora_a"] = a
     lora.tensors[f"{gname}.lora_b"] = b
-    if folded:
+    if any(not math.isclose(factor(m), 1.0, rel_tol=1e-12) for m in mods.values()):
         lora.folded.append(gname)
 
 

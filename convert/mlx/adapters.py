@@ -34,7 +34,7 @@ from ..adapter import Adapter, saved_base_layers
 from ..arch import arch_for
 from ..checkpoint import Checkpoint
 from ..errors import UserError
-from ..experts import expert_tensor, fit_to_base
+from ..experts import expert_tensor, fit_to_base, stack_expert_loras
 from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .archs import mlx_arch_for
 
@@ -142,11 +142,7 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     def put_experts(path: str, mods: dict, shape: tuple[int, int]) -> None:
         """mlx-lm's LoRASwitchLinear: ``lora_a [E, r, in]``, ``lora_b [E, out, r]`` (not transposed); experts
         without a LoRA get zeros."""
-        a = torch.zeros(n_experts, rank, shape[1])
-        b = torch.zeros(n_experts, shape[0], rank)
-        for e, mod in mods.items():
-            a[e, : mod.rank] = mod.A.float()
-            b[e, :, : mod.rank] = mod.B.float() * (mod.scale / scale)
+        a, b = stack_expert_loras(mods, n_experts, rank, shape, lambda mod: mod.scale / scale)
         out.tensors[f"{path}.lora_a"] = a.numpy()
         out.tensors[f"{path}.lora_b"] = b.numpy()
 
