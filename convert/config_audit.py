@@ -69,10 +69,22 @@ def class_default(model_type: str, key: str) -> Any:
 _MISSING = object()
 
 
+def effective_config(cfg: dict) -> dict:
+    """``cfg`` as transformers computes with it: a key the file leaves out takes its class default (a Qwen3-MoE
+    config without ``norm_topk_prob`` runs with False), so rules and derived values see what the model does."""
+    try:
+        defaults = _class_defaults(str(cfg.get("model_type")))
+    except (ValueError, KeyError):  # a model_type transformers does not know: only the file's keys
+        return dict(cfg)
+    return {**cfg, **{k: v for k, v in defaults.items() if k not in cfg and k not in INERT_KEYS}}
+
+
 def audit(cfg: dict, rules: Mapping[str, KeyRule], target: str) -> list[AuditFinding]:
-    """Apply ``rules`` to every key of ``cfg``: a UserError for the first value the target cannot honour (or
-    an unknown key at a non-default value); else what was found, key by key."""
+    """Apply ``rules`` to every key of ``cfg`` (with transformers' defaults for the keys it leaves out): a
+    UserError for the first value the target cannot honour (or an unknown key at a non-default value); else what
+    was found, key by key."""
     model_type = str(cfg.get("model_type"))
+    cfg = effective_config(cfg)
     found = []
     for key, value in cfg.items():
         if key in INERT_KEYS:

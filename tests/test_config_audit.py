@@ -102,6 +102,9 @@ CASES = [
     Case("qwen3_moe", "norm_topk_prob", {"norm_topk_prob": False}, "refused: renormalizes"),
     Case("qwen3_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "refused: every Qwen3-MoE layer"),
     Case("qwen3_moe", "mlp_only_layers", {"mlp_only_layers": [1]}, "refused: every Qwen3-MoE layer"),
+    # a key the file leaves out is what transformers' default makes it, not what the engine assumes
+    Case("qwen3_moe", "norm_topk_prob absent", {}, "refused: renormalizes", config_patch={"norm_topk_prob": None}),
+    Case("gemma3_text", "query_pre_attn_scalar absent", {}, "parity", config_patch={"query_pre_attn_scalar": None}),
     Case("llama", "unknown key", {}, "refused: not in tuneport's audit", config_patch={"attn_temperature": 0.5}),
 ]
 # Rules that need no case: shapes and context length (every parity test carries them), and inert keys.

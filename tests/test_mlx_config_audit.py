@@ -57,3 +57,29 @@ def test_every_architecture_has_rules_from_mlx_lm():
                                                      .ModelArgs)}
         assert all(rules[k].how == "carried" for k in fields), arch
         assert set(AutoConfig.for_model(arch).to_dict()) <= set(rules), arch
+
+
+def test_a_key_the_config_leaves_out_is_written_at_transformers_default(cli, zoo, tmp_path):
+    """A Qwen3-MoE config without norm_topk_prob runs with False in transformers; mlx-lm, left to itself, would
+    assume its own default: the export writes transformers' value, and the model equals transformers."""
+    import shutil
+
+    import torch
+
+    from tuneport.toolkit.fidelity import load_hf
+    from tuneport.toolkit.verify.mlx_runner import load_mlx, mlx_logits
+
+    base = tmp_path / "base"
+    shutil.copytree(zoo.base("qwen3_moe"), base)
+    cfg = json.loads((base / "config.json").read_text())
+    del cfg["norm_topk_prob"]
+    (base / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "mlx"
+    code, stdout, err = cli("export", "--base", base, "--target", "mlx", "--out", out, "--json")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["norm_topk_prob"] is False
+    assert any("norm_topk_prob written at transformers' default" in n for n in json.loads(stdout)["notes"])
+    ids = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411]
+    with torch.no_grad():
+        want = load_hf(base)(torch.tensor([ids])).logits[0].float()
+    assert (mlx_logits(load_mlx(out)[0], ids) - want).abs().max().item() <= 1e-4

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..config_audit import KeyRule, audit, must_be
+from ..config_audit import KeyRule, audit, effective_config, must_be
 
 ROPE_TYPES = ("default", "linear", "yarn")  # llama3's rope_freqs tensor: only the llama graph loads it
 
@@ -221,6 +221,7 @@ def gguf_config_facts(model_type: str, cfg: dict) -> GGUFConfigFacts:
     rules = GGUF_CONFIG_RULES.get(model_type)
     if rules is None:
         return GGUFConfigFacts()
+    cfg = effective_config(cfg)
     audit(cfg, rules, "gguf")
     facts = GGUFConfigFacts()
     if rules.get("sliding_window") is NO_SLIDING_GRAPH["sliding_window"] and _window_active(cfg):

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import importlib
 
-from ..config_audit import KeyRule, audit
+from ..config_audit import KeyRule, audit, effective_config
 from .archs import mlx_arch_for
 
 
@@ -55,13 +55,30 @@ FIXED: dict[str, dict[str, KeyRule]] = {
 
 
 @functools.lru_cache(maxsize=32)
+def mlx_read_fields(model_type: str) -> frozenset[str]:
+    """The config keys mlx-lm's model for ``model_type`` reads (its ``ModelArgs`` fields)."""
+    args = importlib.import_module(f"mlx_lm.models.{mlx_arch_for(model_type).mlx_model}").ModelArgs
+    return frozenset(f.name for f in dataclasses.fields(args))
+
+
+def fill_transformers_defaults(cfg: dict) -> list[str]:
+    """Write, in place, transformers' default for each key mlx-lm reads that ``cfg`` leaves out: mlx-lm would
+    run with its own default instead (a Qwen3-MoE config without ``norm_topk_prob`` is False in transformers).
+    Returns the keys written."""
+    effective = effective_config(cfg)
+    filled = sorted(k for k in mlx_read_fields(str(cfg.get("model_type"))) if k not in cfg
+                    and effective.get(k) is not None)
+    cfg.update({k: effective[k] for k in filled})
+    return filled
+
+
+@functools.lru_cache(maxsize=32)
 def mlx_config_rules(model_type: str) -> dict[str, KeyRule]:
     """The audit's rules for ``model_type`` exported to mlx-lm."""
     from transformers import AutoConfig
 
     module = mlx_arch_for(model_type).mlx_model
-    args = importlib.import_module(f"mlx_lm.models.{module}").ModelArgs
-    read = {f.name for f in dataclasses.fields(args)}
+    read = mlx_read_fields(model_type)
     rules: dict[str, KeyRule] = {}
     for key, default in AutoConfig.for_model(model_type).to_dict().items():
         rules[key] = KeyRule("refused unless", f"transformers' default ({default!r}): mlx-lm's {module} does not read "

@@ -30,7 +30,7 @@ from ..tensors import TensorMeta
 from . import INSTALL_HINT
 from .adapters import MlxAdapter, mlx_adapter, write_mlx_adapter
 from .archs import MlxArch, mlx_arch_for, mlx_config
-from .config_keys import audit_mlx_config
+from .config_keys import audit_mlx_config, fill_transformers_defaults
 from .quant import QuantPlan, group_size_for, quant_type, quantize, quantized_shapes
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,7 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     arch = ckpt.arch
     dtype = output_dtype(plan, opts.dtype)
     cfg, filled = mlx_config(plan.config)
+    defaulted = fill_transformers_defaults(cfg)
     audit_mlx_config(cfg)  # a key mlx-lm would silently drop, at a value that changes the model: refused
     # mlx-lm ties (and drops a stored lm_head) by the config; transformers ties when the key is absent
     tied = f"{arch.lm_head}.weight" not in {s.name for s in plan.specs} or bool(
@@ -221,6 +222,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     notes = list(plan.notes) + [n for a in converted for n in a.notes]
     if filled:
         notes.append(f"config: {', '.join(filled)} written at the top level, where mlx-lm reads them")
+    if defaulted:
+        notes.append(f"config: {', '.join(defaulted)} written at transformers' default (the base's config.json "
+                     "leaves them out, and mlx-lm would assume its own)")
     notes += [f"{march.model_type}: {n}" for n in march.notes]
     if qplan:
         kept = sorted({m for s in layout.sources if s.dtype.is_floating_point and len(s.shape) == 2
