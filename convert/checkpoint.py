@@ -18,6 +18,7 @@ import torch
 
 from .arch import ArchSpec, known_arch
 from .errors import UserError
+from .fused_experts import ExpertRows, fused_views
 from .io import sha256_file
 from .safetensors_file import SafetensorsFile
 from .tensors import TensorMeta
@@ -135,7 +136,9 @@ class Checkpoint:
         self._where: dict[str, str] = {}
         self._pickle_cache: tuple[str, dict[str, torch.Tensor]] | None = None
         self._metas: dict[str, TensorMeta] = {}
+        self._rows: dict[str, ExpertRows] = {}  # per-expert names served from fused expert tensors
         self._index_weights()
+        self._unfuse_experts()
 
     # -- discovery ---------------------------------------------------------------------------
     def _index_weights(self) -> None:
@@ -184,6 +187,24 @@ class Checkpoint:
                 self._where[name] = p.name
                 self._metas[name] = TensorMeta(name, t.dtype, tuple(t.shape))
 
+    def _unfuse_experts(self) -> None:
+        """Present fused expert tensors (transformers 5's in-memory layout, saved as is) under the per-expert
+        names every exporter reads, each one served from its rows of the fused tensor."""
+        views = fused_views(self.arch, {n: m.shape for n, m in self._metas.items()})
+        if not views:
+            return
+        where, metas = {}, {}
+        for name, fname in self._where.items():
+            for new, shape, rows in views.get(name, [(name, self._metas[name].shape, None)]):  # type: ignore[list-item]
+                if new in where or (new != name and new in self._where):
+                    raise UserError(f"{self.path}: tensor {new} is stored both per expert and fused ({name})",
+                                    "remove the stray file, or repair model.safetensors.index.json")
+                where[new] = fname
+                metas[new] = TensorMeta(new, self._metas[name].dtype, shape)
+                if rows is not None:
+                    self._rows[new] = rows
+        self._where, self._metas = where, metas
+
     def _load_pickle(self, p: Path) -> dict[str, torch.Tensor]:
         if self._pickle_cache and self._pickle_cache[0] == p.name:
             return self._pickle_cache[1]
@@ -226,9 +247,15 @@ class Checkpoint:
 
     def read(self, name: str) -> torch.Tensor:
         fname = self._where[name]
+        rows = self._rows.get(name)
+        source = name if rows is None else rows.source
+        if rows is not None and rows.expert >= 0:
+            if self.format == "safetensors":
+                return self._files[fname].read_rows(source, rows.first, self._metas[name].shape)
+            return self._load_pickle(self.path / fname)[source][rows.expert, rows.row:rows.row + rows.rows].clone()
         if self.format == "safetensors":
-            return self._files[fname].read(name)
-        return self._load_pickle(self.path / fname)[name].clone()
+            return self._files[fname].read(source)
+        return self._load_pickle(self.path / fname)[source].clone()
 
     @property
     def weight_files(self) -> list[Path]:

@@ -11,13 +11,17 @@ GGUF LoRA) works on the disk names, so a fused LoRA is split here, exactly: expe
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
 from .adapter import Adapter, LoraModule, ParamLora, module_scale
 from .arch import ArchSpec, ExpertLayout
-from .checkpoint import Checkpoint
 from .errors import UserError
+from .fused_experts import fused_views
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused expert parameters
 
@@ -46,12 +50,16 @@ def fit_to_base(adapter: Adapter, base: Checkpoint) -> Adapter:
 def _rename_router(adapter: Adapter, layout: ExpertLayout) -> None:
     if layout.memory_block == layout.disk_block:
         return
-    memory = re.compile(rf"^(.*\.\d+)\.{layout.memory_block}\.{layout.router}$")
+    memory = re.compile(rf"^(.*\.\d+)\.{layout.memory_block}\.{layout.router}(\.\w+)?$")
     for target, mod in list(adapter.modules.items()):
         if m := memory.match(mod.module):
             del adapter.modules[target]
             mod.module = f"{m[1]}.{layout.disk_block}.{layout.router}"
             adapter.modules[mod.target] = mod
+    # modules_to_save on the router (a fully trained router): its tensors by their disk names too
+    adapter.replacements = {
+        (f"{m[1]}.{layout.disk_block}.{layout.router}{m[2]}" if (m := memory.match(name)) and m[2] else name): t
+        for name, t in adapter.replacements.items()}
 
 
 TRANSPOSED_BEFORE = (0, 19, 1)  # PEFT < 0.19.1 kept the expert parameter's [in, out] order in A and B
@@ -126,26 +134,12 @@ def expert_tensor(arch: ArchSpec) -> re.Pattern | None:
 def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes a checkpoint stores for a model whose transformers 5 state dict has
     ``memory`` (fused experts split per expert, the router under its disk block); dense models unchanged."""
-    layout = arch.experts
-    if layout is None:
+    views = fused_views(arch, memory)
+    if not views:
         return memory
-    fused = re.compile(
-        rf"^(.*\.\d+)\.{layout.memory_block}\.(experts\.(gate_up_proj|down_proj)|{layout.router}\.weight)$")
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in memory.items():
-        if (m := fused.match(name)) is None:
-            out[name] = shape
-            continue
-        disk = f"{m[1]}.{layout.disk_block}"
-        if m[3] is None:
-            out[f"{disk}.{layout.router}.weight"] = shape
-            continue
-        n, rows, cols = shape
-        halves = (((layout.gate, rows // 2), (layout.up, rows // 2)) if m[3] == "gate_up_proj"
-                  else ((layout.down, rows),))
-        for e in range(n):
-            for proj, r in halves:
-                out[f"{disk}.experts.{e}.{proj}.weight"] = (r, cols)
+        out.update({disk: s for disk, s, _ in views[name]} if name in views else {name: shape})
     return out
 
 

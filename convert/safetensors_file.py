@@ -92,14 +92,26 @@ class SafetensorsFile:
                 raise _bad(self.path, f"tensors {first!r} and {second!r} overlap")
 
     def read(self, name: str) -> torch.Tensor:
-        info, start = self.tensors[name], self.offsets[name]
-        out = torch.empty(info.shape, dtype=info.dtype)
-        if info.nbytes:
+        info = self.tensors[name]
+        return self._read_into(name, self.offsets[name], torch.empty(info.shape, dtype=info.dtype))
+
+    def read_rows(self, name: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """``prod(shape)`` contiguous elements of ``name`` from its flat element ``first``, as ``shape``: one
+        expert's rows of a fused [E, rows, cols] tensor, without reading the others."""
+        info = self.tensors[name]
+        out = torch.empty(shape, dtype=info.dtype)
+        if first < 0 or (first + out.numel()) > info.numel:
+            raise ValueError(f"rows {first}..+{out.numel()} lie outside {name} {list(info.shape)}")
+        return self._read_into(name, self.offsets[name] + first * info.dtype.itemsize, out)
+
+    def _read_into(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        nbytes = out.numel() * out.element_size()
+        if nbytes:
             buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 done = 0
-                while done < info.nbytes:
+                while done < nbytes:
                     got = os.preadv(fd, [buf[done:]], start + done)
                     if got <= 0:
                         raise _bad(self.path, f"short read of tensor {name!r}")

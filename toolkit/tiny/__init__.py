@@ -51,6 +51,27 @@ class TinyZoo:
             tmp.rename(out)
         return out
 
+    def fused_base(self, arch: str) -> Path:
+        """``base(arch)`` (same weights) saved as transformers 5 holds a mixture of experts in memory: each
+        layer's experts fused (``mlp.experts.gate_up_proj``, ``down_proj``), the router as ``mlp.gate``."""
+        import shutil
+
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        out = self.root / f"{arch}-fp32-fused"
+        if not (out / "config.json").exists():
+            src, tmp = self.base(arch), out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+                     or not model.config.tie_word_embeddings}
+            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+            tmp.rename(out)
+        return out
+
     def adapter(self, arch: str, variant: str, dtype: str = "fp32", wide: bool = False) -> Path:
         out = self.root / "adapters" / f"{arch}-{dtype}-{variant}{'-wide' if wide else ''}"
         if not (out / "adapter_config.json").exists():
