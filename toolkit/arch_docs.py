@@ -1,5 +1,5 @@
 """Writes ``docs/architectures.md``: the support matrix (architecture x target) from the tables, with the reason
-in each refused cell, and the GGUF config audit per architecture.
+in each refused cell, and the config audits for GGUF and MLX per architecture.
 
     python -m tuneport.toolkit.arch_docs            # print it
     python -m tuneport.toolkit.arch_docs --write    # write docs/architectures.md beside this checkout
@@ -50,7 +50,35 @@ def render() -> str:
         lines += [f"### `{model_type}`", "", "| key | how | what |", "|---|---|---|"]
         lines += [f"| `{k}` | {r.how} | {r.what} |" for k, r in rules.items()]
         lines.append("")
+    lines += _mlx_audit()
     return "\n".join(lines)
+
+
+def _mlx_audit() -> list[str]:
+    """The config audit for --target mlx, derived from mlx-lm's own ModelArgs (see convert/mlx/config_keys.py)."""
+    from tuneport.convert.mlx.archs import MLX_ARCHS
+    from tuneport.convert.mlx.config_keys import mlx_config_rules, mlx_read_fields
+
+    lines = ["## Config audit for `--target mlx`", "",
+             "mlx-lm builds a model from the fields of its `ModelArgs` and drops every other key. A field it reads",
+             "is carried (a key the base's `config.json` leaves out is written at transformers' default, which is",
+             "what transformers computes with); a key transformers defines that mlx-lm does not read is refused",
+             "unless it has transformers' default; the keys in each table are handled as they say; any other key",
+             "at a non-default value is refused.", ""]
+    for model_type, march in MLX_ARCHS.items():
+        rules, read = mlx_config_rules(model_type), mlx_read_fields(model_type)
+        default_only = sorted(k for k, r in rules.items() if k not in read and r.what.startswith("transformers'"))
+        special = {k: r for k, r in rules.items() if k not in read and k not in default_only}
+        lines += [f"### `{model_type}` (mlx-lm `{march.mlx_model}`)", "",
+                  "Read by mlx-lm: " + ", ".join(f"`{k}`" for k in sorted(read)) + ".", ""]
+        if default_only:
+            lines += ["Refused unless at transformers' default: " + ", ".join(f"`{k}`" for k in default_only) + ".",
+                      ""]
+        if special:
+            lines += ["| key | how | what |", "|---|---|---|"]
+            lines += [f"| `{k}` | {r.how} | {r.what} |" for k, r in special.items()]
+            lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
