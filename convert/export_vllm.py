@@ -23,7 +23,7 @@ from .load_check import check_adapter_dirs, check_hf_dir
 from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge
 from .options import ExportOptions, ExportResult, model_name
-from .vllm_rules import Preflight, preflight, preflight_message, round_lora_rank
+from .vllm_rules import Preflight, float16_refusal, preflight, preflight_message, round_lora_rank
 
 LAUNCH_JSON = "vllm_launch.json"
 LAUNCH_SH = "serve-vllm.sh"
@@ -115,6 +115,8 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
     ckpt, loaded = open_inputs(opts, "vllm")
     served = model_name(ckpt.spec)
     vllm_dtype = VLLM_DTYPES.get(opts.dtype)
+    if vllm_dtype == "float16" and (refused := float16_refusal(ckpt.model_type, "--target vllm --dtype fp16")):
+        raise refused
     serve_note = f"serve it with: {opts.out / LAUNCH_SH}"
     if opts.adapter_mode == "merge":
         if opts.max_lora_rank is not None:

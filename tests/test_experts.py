@@ -172,7 +172,8 @@ def test_experts_stored_both_fused_and_per_expert_are_refused(zoo, cli, tmp_path
     base = tmp_path / "base"
     shutil.copytree(zoo.fused_base("qwen3_moe"), base)
     save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(64, 64)}, base / "extra.safetensors")
-    code, _, err = cli("merge", "--base", base, "--adapter", zoo.adapter("qwen3_moe", "plain"), "--out", tmp_path / "out")
+    code, _, err = cli("merge", "--base", base, "--adapter", zoo.adapter("qwen3_moe", "plain"),
+                       "--out", tmp_path / "out")
     assert code == 2 and "stored both per expert and fused" in err and not (tmp_path / "out").exists(), err
 
 

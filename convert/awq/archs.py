@@ -4,19 +4,25 @@ architecture is a row here once its block matches one of these shapes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import UserError
 
 
 @dataclass(frozen=True)
 class ScaleGroup:
-    """Linears that read the output of ``prev``; ``prev_kind`` is "norm" (RMSNorm weight) or "linear"
-    (its output rows and bias)."""
+    """Linears that read the output of ``prev``, where their per-channel scale is folded. ``prev_kind``:
+    "norm" (an RMSNorm weight w: w / s), "norm_plus_one" (Gemma's stored w - 1 of the weight 1 + w:
+    (1 + w) / s - 1), "linear" (its output rows and bias; ``prev_rows(config)`` the rows that feed the group
+    when ``prev`` is fused, e.g. v inside phi3's qkv_proj), or "none" (nothing foldable precedes the group,
+    as in OLMo 2 whose norms follow attention and MLP: no scale, clipping only)."""
 
-    prev: str
+    prev: str | None
     prev_kind: str
     linears: tuple[str, ...]
+    prev_rows: Callable[[Any], slice] | None = None
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,9 @@ class AWQArch:
     final_norm: str = "model.norm"
     groups: tuple[ScaleGroup, ...] = ()
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")  # feed attention scores: no clipping
+    # what the model multiplies the token embeddings by before the first block (Gemma: sqrt(hidden), as the
+    # tensor transformers keeps; Granite: embedding_multiplier), from the transformers config
+    embed_scale: Callable[[Any], Any] | None = None
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -48,9 +57,44 @@ FUSED_SETS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "se
               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def _arch(name: str, prefix: str) -> AWQArch:
+GEMMA_GROUPS = (
+    ScaleGroup("input_layernorm", "norm_plus_one", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ScaleGroup("self_attn.v_proj", "linear", ("self_attn.o_proj",)),
+    ScaleGroup("pre_feedforward_layernorm", "norm_plus_one", ("mlp.gate_proj", "mlp.up_proj")),
+    ScaleGroup("mlp.up_proj", "linear", ("mlp.down_proj",)),
+)
+OLMO2_GROUPS = (  # norms after attention and MLP: nothing to fold q/k/v's or gate/up's scales into
+    ScaleGroup(None, "none", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ScaleGroup("self_attn.v_proj", "linear", ("self_attn.o_proj",)),
+    ScaleGroup(None, "none", ("mlp.gate_proj", "mlp.up_proj")),
+    ScaleGroup("mlp.up_proj", "linear", ("mlp.down_proj",)),
+)
+
+
+def _phi3_v_rows(cfg) -> slice:
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
+    return slice(q + kv, q + 2 * kv)
+
+
+PHI3_GROUPS = (  # q/k/v and gate/up fused on disk: one linear each; o and down read rows of them
+    ScaleGroup("input_layernorm", "norm", ("self_attn.qkv_proj",)),
+    ScaleGroup("self_attn.qkv_proj", "linear", ("self_attn.o_proj",), prev_rows=_phi3_v_rows),
+    ScaleGroup("post_attention_layernorm", "norm", ("mlp.gate_up_proj",)),
+    ScaleGroup("mlp.gate_up_proj", "linear", ("mlp.down_proj",),
+               prev_rows=lambda cfg: slice(cfg.intermediate_size, 2 * cfg.intermediate_size)),
+)
+
+
+def _gemma_embed_scale(cfg):
+    import torch
+
+    return torch.tensor(cfg.hidden_size**0.5)  # transformers keeps it as a (float32) tensor
+
+
+def _arch(name: str, prefix: str, groups: tuple[ScaleGroup, ...] = LLAMA_GROUPS, **kw) -> AWQArch:
     return AWQArch(f"transformers.models.{name}.modeling_{name}", f"{prefix}DecoderLayer",
-                   f"{prefix}RotaryEmbedding", f"{prefix}RMSNorm", groups=LLAMA_GROUPS)
+                   f"{prefix}RotaryEmbedding", f"{prefix}RMSNorm", groups=groups, **kw)
 
 
 AWQ_ARCHS: dict[str, AWQArch] = {
@@ -59,14 +103,16 @@ AWQ_ARCHS: dict[str, AWQArch] = {
     "qwen2": _arch("qwen2", "Qwen2"),
     "qwen3": _arch("qwen3", "Qwen3"),
     "smollm3": _arch("smollm3", "SmolLM3"),
+    "granite": _arch("granite", "Granite", embed_scale=lambda cfg: cfg.embedding_multiplier),
+    "gemma3_text": AWQArch("transformers.models.gemma3.modeling_gemma3", "Gemma3DecoderLayer",
+                           "Gemma3RotaryEmbedding", "Gemma3RMSNorm", groups=GEMMA_GROUPS,
+                           embed_scale=_gemma_embed_scale),
+    "gemma2": _arch("gemma2", "Gemma2", GEMMA_GROUPS, embed_scale=_gemma_embed_scale),
+    "olmo2": _arch("olmo2", "Olmo2", OLMO2_GROUPS),
+    "phi3": _arch("phi3", "Phi3", PHI3_GROUPS, no_clip=("self_attn.qkv_proj",)),
 }
 # Why the others are not in the table (told to the user).
 NOT_SUPPORTED = {
-    "gemma3_text": "Gemma stores norm weights as w - 1 and scales embeddings; its folding is not implemented",
-    "phi3": "fused qkv_proj / gate_up_proj need split scale groups; not implemented",
-    "gemma2": "Gemma stores norm weights as w - 1 and scales embeddings; its folding is not implemented",
-    "granite": "the calibration pass does not apply embedding_multiplier before the first block yet",
-    "olmo2": "its norms follow attention and MLP, so no norm precedes q/k/v or gate/up to fold scales into",
     **dict.fromkeys(("mixtral", "qwen3_moe"), "mixture of experts: the calibration pass runs dense MLPs only (each "
                     "expert's scales need the tokens the router sends it); not implemented"),
 }

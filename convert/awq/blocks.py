@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +57,7 @@ class Block:
     prefix: str  # checkpoint name prefix, "model.layers.3."
     module: torch.nn.Module
     stats: dict[str, InputStats]
+    config: Any = None  # the transformers config the block was built with
 
 
 def _classes(arch: AWQArch):
@@ -62,11 +65,13 @@ def _classes(arch: AWQArch):
     return getattr(mod, arch.layer_class), getattr(mod, arch.rotary_class), getattr(mod, arch.norm_class)
 
 
-def hf_config(config: dict):
+def hf_config(config: dict, attention: str | None = None):
+    """The transformers config; ``attention``: the implementation the architecture's reference runs (sdpa
+    when None)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("quantization_config",)})
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention or "sdpa"
     return cfg
 
 
@@ -79,7 +84,7 @@ class BlockPass:
         self.arch = arch
         self.ids = ids
         self.hooked = hooked
-        self.config = hf_config(plan.config)
+        self.config = hf_config(plan.config, plan.base.arch.reference_attention if plan.base.arch else None)
         self.layer_cls, rotary_cls, self.norm_cls = _classes(arch)
         self.n_layers = int(self.config.num_hidden_layers)
         self.specs = {s.name: s for s in plan.specs}
@@ -91,10 +96,28 @@ class BlockPass:
         gen = torch.Generator().manual_seed(seed)
         self.rows = [torch.randperm(seq, generator=gen)[: self.per_sample].sort().values for _ in range(n)]
         with torch.no_grad():
-            rotary = rotary_cls(config=self.config)
-            pos = torch.arange(seq).unsqueeze(0)
-            self.position_ids = pos
-            self.position_embeddings = rotary(torch.zeros(1, seq, 1), pos)
+            self.position_ids = torch.arange(seq).unsqueeze(0)
+            self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.n_layers)
+            self.position_embeddings, self.masks = self._positions_and_masks(rotary_cls, seq)
+
+    def _positions_and_masks(self, rotary_cls, seq: int) -> tuple[dict, dict]:
+        """Per layer type, the rotary embeddings and the attention mask the model's own forward gives its layers
+        (transformers' mask functions: None where sdpa runs causally by itself, a sliding window's band, the
+        explicit causal mask eager attention needs)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        rotary = rotary_cls(config=self.config)
+        by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: one rope per type
+        probe = torch.zeros(1, seq, int(self.config.hidden_size))
+        kw = dict(config=self.config, inputs_embeds=probe, attention_mask=None, past_key_values=None,
+                  position_ids=self.position_ids)
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        positions, masks = {}, {}
+        for kind in dict.fromkeys(self.layer_types):
+            positions[kind] = (rotary(probe, self.position_ids, kind) if by_type else
+                               rotary(probe, self.position_ids))
+            masks[kind] = makers.get(kind, create_causal_mask)(**kw)
+        return positions, masks
 
     def tensor(self, name: str) -> torch.Tensor:
         return merge_one(self.plan, self.specs[name]).float()
@@ -102,7 +125,8 @@ class BlockPass:
     def embeddings(self) -> torch.Tensor:
         """The calibration tokens' rows, looked up in the stored dtype and then widened (not the whole table)."""
         name = f"{self.plan.base.arch.embed}.weight"
-        return torch.nn.functional.embedding(self.ids, merge_one(self.plan, self.specs[name])).float()
+        x = torch.nn.functional.embedding(self.ids, merge_one(self.plan, self.specs[name])).float()
+        return x if self.arch.embed_scale is None else x * self.arch.embed_scale(self.config)
 
     def load_block(self, i: int) -> torch.nn.Module:
         prefix = f"{self.layer_prefix}.{i}."
@@ -117,7 +141,8 @@ class BlockPass:
         """Yield each block after its forward; ``self.hidden`` then holds its outputs (the next inputs)."""
         self.hidden = self.embeddings()
         for i in range(self.n_layers):
-            block = Block(i, f"{self.layer_prefix}.{i}.", layer := self.load_block(i), self._forward(layer))
+            block = Block(i, f"{self.layer_prefix}.{i}.", layer := self.load_block(i), self._forward(layer, i),
+                          self.config)
             del layer
             yield block
             del block  # the caller drops its reference too: one block in memory at a time
@@ -137,7 +162,13 @@ class BlockPass:
                 _accumulate(stats, x)
         return stats
 
-    def _forward(self, layer: torch.nn.Module) -> dict[str, InputStats]:
+    def layer_inputs(self, i: int) -> dict:
+        """The keyword arguments the model's forward gives layer ``i`` (besides its hidden states)."""
+        kind = self.layer_types[i]
+        return dict(attention_mask=self.masks[kind], position_ids=self.position_ids,
+                    position_embeddings=self.position_embeddings[kind])
+
+    def _forward(self, layer: torch.nn.Module, i: int) -> dict[str, InputStats]:
         stats: dict[str, InputStats] = {}
         current: list[int] = []
         handles = []
@@ -161,8 +192,7 @@ class BlockPass:
             with torch.no_grad():
                 for b in range(0, len(self.hidden), self.batch):
                     current[:] = range(b, min(b + self.batch, len(self.hidden)))
-                    out = layer(self.hidden[b:b + self.batch], attention_mask=None, position_ids=self.position_ids,
-                                position_embeddings=self.position_embeddings)
+                    out = layer(self.hidden[b:b + self.batch], **self.layer_inputs(i))
                     self.hidden[b:b + self.batch] = out[0] if isinstance(out, tuple) else out
                     del out
         finally:

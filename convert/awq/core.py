@@ -40,19 +40,26 @@ def fold_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set
         x = stats.sample()
         for n in group.linears:
             inputs[n] = x
+        if group.prev is None or not names:
+            continue  # nothing to fold into (OLMo 2's q/k/v), or nothing quantized: no scale
         prev = layer.get_submodule(group.prev)
         mods = [layer.get_submodule(n) for n in group.linears]
-        if not names or prev.weight.shape[0] != mods[0].in_features:
+        rows = group.prev_rows(block.config) if group.prev_rows else slice(None)
+        if len(range(prev.weight.shape[0])[rows]) != mods[0].in_features:
             continue  # e.g. v_proj -> o_proj under grouped-query attention: shapes differ, no fold
         found = search_scale(x, stats.mean_abs, [layer.get_submodule(n).weight for n in names], scheme)
         s = found.scale
         if group.prev_kind == "norm":
             prev.weight.div_(s)
+        elif group.prev_kind == "norm_plus_one":  # Gemma computes with 1 + w
+            prev.weight.copy_((1 + prev.weight) / s - 1)
         else:
-            prev.weight.div_(s.view(-1, 1))
+            out_scale = torch.ones(prev.weight.shape[0])  # what each output row of prev is divided by
+            out_scale[rows] = s
+            prev.weight.div_(out_scale.view(-1, 1))
             if getattr(prev, "bias", None) is not None:
-                prev.bias.div_(s)
-            result.scales.setdefault(block.prefix + group.prev, {})["output_scale"] = s.clone()
+                prev.bias.div_(out_scale)
+            result.scales.setdefault(block.prefix + group.prev, {})["output_scale"] = out_scale
         for n, m in zip(group.linears, mods, strict=True):
             m.weight.mul_(s.view(1, -1))
             result.scales.setdefault(block.prefix + n, {})["input_scale"] = s.clone()

@@ -22,7 +22,7 @@ from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult, model_name
 from ..tensors import TensorMeta
-from ..vllm_rules import round_lora_rank
+from ..vllm_rules import float16_refusal, round_lora_rank
 from .adapters import SCALES_FILE, mark_rescaled, rescale_adapter, scales_digest, write_scales
 from .archs import FUSED_SETS, awq_arch_for
 from .blocks import NOT_WEIGHTS, BlockPass
@@ -35,14 +35,25 @@ log = logging.getLogger(__name__)
 AWQ_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def output_dtype(opts_dtype: str, fmt: AWQFormat, base_dtype: torch.dtype) -> torch.dtype:
+def output_dtype(opts_dtype: str, fmt: AWQFormat, base_dtype: torch.dtype, model_type: str = "") -> torch.dtype:
+    """The 16-bit dtype of the scales and every unquantized tensor: --dtype, else the base's where the format
+    stores it, else fp16 (bf16 for the model types vLLM refuses float16 for)."""
     if opts_dtype == "fp32":
         raise UserError("--target awq writes 16-bit activations' scales; --dtype fp32 is not a choice",
                         "use --dtype fp16 or bf16 (vLLM's W4A16 kernels run in 16-bit)")
+    no_fp16 = float16_refusal(model_type, f"--target awq --format {fmt.name} --dtype {opts_dtype}")
     if opts_dtype == "auto":
-        return base_dtype if base_dtype in fmt.scale_dtypes else torch.float16
-    dtype = AWQ_DTYPES[opts_dtype]
+        dtype = base_dtype if base_dtype in fmt.scale_dtypes else torch.float16
+        if no_fp16 is not None and dtype == torch.float16:
+            dtype = torch.bfloat16
+    else:
+        dtype = AWQ_DTYPES[opts_dtype]
+    if dtype == torch.float16 and no_fp16 is not None:
+        raise no_fp16
     if dtype not in fmt.scale_dtypes:
+        if no_fp16 is not None:
+            raise UserError(f"--format {fmt.name} stores fp16 scales, and vLLM refuses float16 for {model_type}",
+                            "use --format compressed-tensors (bf16 scales)")
         raise UserError(f"--format {fmt.name} stores fp16 scales; --dtype {opts_dtype} is not a choice",
                         "use --dtype fp16, or --format compressed-tensors")
     return dtype
@@ -128,7 +139,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
     plan = plan_merge(ckpt, [] if separate else loaded)
     results = check_for_vllm(ckpt, loaded, opts.max_lora_rank) if separate else []
-    dtype = output_dtype(opts.dtype, fmt, plan.matrix_dtype)
+    dtype = output_dtype(opts.dtype, fmt, plan.matrix_dtype, arch_for(ckpt.model_type).model_type)
     scheme = QuantScheme(4, opts.group_size or 128, opts.symmetric, scale_dtype=dtype)
     layer_prefix = ckpt.arch.layer_prefix
     n_layers = int(plan.config["num_hidden_layers"])
