@@ -276,3 +276,44 @@ def test_a_target_the_base_or_machine_cannot_make_fails_before_any_export(zoo, t
     code, _, err = cli("release", recipe, "--out", tmp_path / "out")
     assert code == 2 and err == f"error: --target mlx needs mlx and mlx-lm (mlx is not installed): {INSTALL_HINT}\n"
     assert not (tmp_path / "out" / "artifacts").exists()
+
+
+# The architectures issue 18 added, each with the adapter its users train (expert LoRA on MoE bases).
+NEW_ARCHS = {"gemma3": "all_linear", "gemma2": "all_linear", "mixtral": "experts", "qwen3_moe": "experts",
+             "granite": "all_linear", "olmo2": "all_linear", "smollm3": "all_linear"}
+
+
+@pytest.mark.parametrize("arch", list(NEW_ARCHS))
+def test_every_new_architecture_is_released_and_verified(zoo, tmp_path, arch):
+    """A release per architecture: the adapter as a GGUF LoRA in llama.cpp (F16 and Q8_0 bases) and as an mlx-lm
+    adapter where MLX exports the architecture, each verified in its engine against base + the PEFT adapter and
+    gated; F16 and the mlx-lm adapter within 1e-3 KL, Q8_0 within the default gate."""
+    from tuneport.convert.support import supported
+    from tuneport.toolkit.release import release
+
+    from tuneport.toolkit.tiny import TINY_ARCHS, make_adapter, make_base
+
+    if arch == "gemma3":  # every 6th layer global, as llama.cpp's Gemma 3 runs it and mlx-lm's needs a global one
+        base = make_base(arch, tmp_path / "base", dims={"num_hidden_layers": 6, "sliding_window": 4,
+                                                        "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+        adapter = make_adapter(base, NEW_ARCHS[arch], tmp_path / "adapter")
+    else:
+        base, adapter = zoo.base(arch), zoo.adapter(arch, NEW_ARCHS[arch])
+    targets = "\n  - {type: gguf, quant: [f16, q8_0], adapters: separate}"
+    if arch in supported("mlx"):
+        targets += "\n  - {type: mlx, adapters: separate}"
+    # the tiny SentencePiece fixtures are non-legacy, which llama.cpp tokenizes differently
+    # (tests/test_verify.py::test_non_legacy_sentencepiece_differs_in_llamacpp): those checks are off for them
+    checks = ", tokenizer: false, chat_template: false" if TINY_ARCHS[arch].tokenizer == "sentencepiece" else ""
+    recipe = write_recipe(tmp_path / "recipe.yaml", base, {"ft": adapter}, gates=f"{{kl: {{default: 0.5}}{checks}}}",
+                          targets=targets)
+    summary = release(recipe=recipe, out=tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    arts = manifest["artifacts"]
+    with_lora = [a for a in arts if a["lora"]]
+    print(f"\n{arch}: " + ", ".join(f"{a['engine']} {a['quant'] or ''}{' + LoRA' if a['lora'] else ''} KL "
+                                    f"{a['metrics']['kl']:.1e}" for a in arts))
+    assert summary["passed"] and all(a["verified"] and a["passed"] for a in arts)
+    assert len(with_lora) == 2 + (arch in supported("mlx"))
+    assert all(a["metrics"]["kl"] < 1e-3 for a in with_lora if a["quant"] != "q8_0")
+    assert {a["engine"] for a in arts} == ({"llama.cpp", "mlx-lm"} if arch in supported("mlx") else {"llama.cpp"})
