@@ -57,3 +57,32 @@ def fused_views(arch: ArchSpec | None, shapes: dict[str, tuple[int, ...]]) -> Fu
                       ExpertRows(name, e, row, r, first=(e * rows + row) * cols))
                      for e in range(n) for proj, row, r in halves]
     return out
+
+
+def fuse_to_memory(arch: ArchSpec | None, tensors: dict) -> dict:
+    """``tensors`` (per-expert disk names) under transformers 5's in-memory names: each block's experts stacked
+    into ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up) and ``experts.down_proj [E, H, I]``, the
+    router under the memory block. The inverse of :func:`fused_views`; other tensors pass through."""
+    import torch
+
+    layout = arch.experts if arch is not None else None
+    if layout is None:
+        return tensors
+    # with a layer prefix, or relative to a layer
+    per_expert = re.compile(rf"^(.*\.)?{layout.disk_block}\.experts\.(\d+)\.(\w+)\.weight$")
+    router = re.compile(rf"^(.*\.)?{layout.disk_block}\.{layout.router}\.weight$")
+    out, blocks = {}, {}
+    for name, t in tensors.items():
+        if m := per_expert.match(name):
+            blocks.setdefault(m[1] or "", {})[int(m[2]), m[3]] = t
+        elif m := router.match(name):
+            out[f"{m[1] or ''}{layout.memory_block}.{layout.router}.weight"] = t
+        else:
+            out[name] = t
+    for layer, parts in blocks.items():
+        n = 1 + max(e for e, _ in parts)
+        prefix = f"{layer}{layout.memory_block}.experts"
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, layout.gate], parts[e, layout.up]])
+                                                     for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, layout.down] for e in range(n)])
+    return out

@@ -51,7 +51,7 @@ def check_4bit_runs_here(ckpt: Checkpoint, dtype: str) -> None:
     if dtype == "fp32":
         raise UserError(f"{ckpt.path} has 4-bit weights: vLLM's CPU W4A16 kernel has no fp32 path",
                         "drop --dtype fp32 (the model's own fp16/bf16 is used)")
-    require_w4a16_cpu()
+    require_w4a16_cpu(ckpt.config)
 
 
 def config_rank(adapter_dir: Path) -> int:

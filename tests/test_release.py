@@ -290,7 +290,6 @@ def test_every_new_architecture_is_released_and_verified(zoo, tmp_path, arch):
     gated; F16 and the mlx-lm adapter within 1e-3 KL, Q8_0 within the default gate."""
     from tuneport.convert.support import supported
     from tuneport.toolkit.release import release
-
     from tuneport.toolkit.tiny import TINY_ARCHS, make_adapter, make_base
 
     if arch == "gemma3":  # every 6th layer global, as llama.cpp's Gemma 3 runs it and mlx-lm's needs a global one

@@ -37,6 +37,9 @@ class AWQArch:
     # what the model multiplies the token embeddings by before the first block (Gemma: sqrt(hidden), as the
     # tensor transformers keeps; Granite: embedding_multiplier), from the transformers config
     embed_scale: Callable[[Any], Any] | None = None
+    # mixture of experts: the norm before the router and every expert (one scale for the router and all the
+    # experts' gate/up, folded there; each expert's down_proj scaled into its own up rows). None: dense MLP.
+    moe_norm: str | None = None
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -44,9 +47,12 @@ class AWQArch:
         return tuple(n for g in self.groups for n in g.linears)
 
 
-LLAMA_GROUPS = (
+ATTENTION_GROUPS = (
     ScaleGroup("input_layernorm", "norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ScaleGroup("self_attn.v_proj", "linear", ("self_attn.o_proj",)),  # only when v_proj feeds o_proj 1:1 (no GQA)
+)
+LLAMA_GROUPS = (
+    *ATTENTION_GROUPS,
     ScaleGroup("post_attention_layernorm", "norm", ("mlp.gate_proj", "mlp.up_proj")),
     ScaleGroup("mlp.up_proj", "linear", ("mlp.down_proj",)),
 )
@@ -110,17 +116,25 @@ AWQ_ARCHS: dict[str, AWQArch] = {
     "gemma2": _arch("gemma2", "Gemma2", GEMMA_GROUPS, embed_scale=_gemma_embed_scale),
     "olmo2": _arch("olmo2", "Olmo2", OLMO2_GROUPS),
     "phi3": _arch("phi3", "Phi3", PHI3_GROUPS, no_clip=("self_attn.qkv_proj",)),
+    "mixtral": _arch("mixtral", "Mixtral", ATTENTION_GROUPS, moe_norm="post_attention_layernorm"),
+    "qwen3_moe": _arch("qwen3_moe", "Qwen3Moe", ATTENTION_GROUPS, moe_norm="post_attention_layernorm"),
 }
 # Why the others are not in the table (told to the user).
-NOT_SUPPORTED = {
-    **dict.fromkeys(("mixtral", "qwen3_moe"), "mixture of experts: the calibration pass runs dense MLPs only (each "
-                    "expert's scales need the tokens the router sends it); not implemented"),
-}
+NOT_SUPPORTED: dict[str, str] = {}
 
 
 def awq_refusal(model_type: str) -> str | None:
     """Why AWQ refuses ``model_type``, or None."""
     return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
+
+
+def dense_layers_refusal(model_type: str, config: dict) -> str | None:
+    """Why a mixture-of-experts model with dense MLP layers among its sparse ones cannot be calibrated (the
+    table describes one MLP per architecture), or None."""
+    if model_type == "qwen3_moe" and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
+        return ("this Qwen3-MoE has dense MLP layers among its sparse ones (mlp_only_layers / decoder_sparse_step), "
+                "which the calibration pass does not run")
+    return None
 
 
 def awq_arch_for(model_type: str) -> AWQArch:

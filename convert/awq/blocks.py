@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..arch import ExpertLayout
+from ..fused_experts import fuse_to_memory
 from ..merge import MergePlan, merge_one
 from .archs import AWQArch
 
@@ -58,6 +60,7 @@ class Block:
     module: torch.nn.Module
     stats: dict[str, InputStats]
     config: Any = None  # the transformers config the block was built with
+    experts: ExpertLayout | None = None  # where a mixture-of-experts block keeps its weights on disk
 
 
 def _classes(arch: AWQArch):
@@ -72,6 +75,7 @@ def hf_config(config: dict, attention: str | None = None):
 
     cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("quantization_config",)})
     cfg._attn_implementation = attention or "sdpa"
+    cfg._experts_implementation = "eager"  # a mixture's experts, one at a time (a layer alone is not dispatched)
     return cfg
 
 
@@ -134,6 +138,7 @@ class BlockPass:
             layer = self.layer_cls(self.config, layer_idx=i)
         state = {n[len(prefix):]: self.tensor(n) for n in self.specs
                  if n.startswith(prefix) and not n.endswith(NOT_WEIGHTS)}
+        state = fuse_to_memory(self.plan.base.arch, state)  # per-expert tensors as the layer holds them
         layer.load_state_dict(state, strict=True, assign=True)
         return layer.float().eval()
 
@@ -142,7 +147,7 @@ class BlockPass:
         self.hidden = self.embeddings()
         for i in range(self.n_layers):
             block = Block(i, f"{self.layer_prefix}.{i}.", layer := self.load_block(i), self._forward(layer, i),
-                          self.config)
+                          self.config, self.plan.base.arch.experts if self.plan.base.arch else None)
             del layer
             yield block
             del block  # the caller drops its reference too: one block in memory at a time
@@ -188,6 +193,9 @@ class BlockPass:
 
         for name in self.hooked:
             handles.append(layer.get_submodule(name).register_forward_pre_hook(hook(name)))
+        if self.arch.moe_norm is not None:
+            experts = layer.get_submodule(f"{self.plan.base.arch.experts.memory_block}.experts")
+            handles.append(experts.register_forward_pre_hook(self._expert_hook(stats)))
         try:
             with torch.no_grad():
                 for b in range(0, len(self.hidden), self.batch):
@@ -199,6 +207,35 @@ class BlockPass:
             for h in handles:
                 h.remove()
         return stats
+
+
+    def _expert_hook(self, stats: dict[str, InputStats]):
+        """Statistics of a mixture-of-experts block: ``experts`` (every token, the input the router and all the
+        experts' gate/up share), ``experts.{e}`` (the tokens the router sends expert ``e``) and ``experts.{e}.down``
+        (expert ``e``'s down_proj input, act(gate) * up, from the block's current weights)."""
+        cap = max(1, self.per_sample * len(self.ids))  # rows kept per expert for the searches
+
+        def add(name: str, x: torch.Tensor, keep: bool) -> None:
+            st = stats.get(name)
+            if st is None:
+                st = stats[name] = InputStats(torch.zeros(x.shape[-1], dtype=torch.float64),
+                                              torch.zeros(x.shape[-1], dtype=torch.float64))
+            _accumulate(st, x)
+            if keep and (room := cap - sum(len(r) for r in st.rows)) > 0:
+                st.rows.append(x[:room].detach().clone())
+
+        def pre(mod, args):
+            x, top_k_index = args[0], args[1]
+            add("experts", x, keep=False)
+            inter = mod.gate_up_proj.shape[1] // 2
+            for e in range(mod.gate_up_proj.shape[0]):
+                xe = x[(top_k_index == e).any(-1)]
+                if not len(xe):
+                    continue
+                gate, up = torch.nn.functional.linear(xe, mod.gate_up_proj[e]).split(inter, dim=-1)
+                add(f"experts.{e}", xe, keep=True)
+                add(f"experts.{e}.down", mod.act_fn(gate) * up, keep=True)
+        return pre
 
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

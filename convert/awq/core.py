@@ -71,6 +71,81 @@ def fold_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set
     return inputs
 
 
+def expert_modules(block: Block) -> dict[tuple[int, str], str]:
+    """(expert, projection on disk) -> the per-expert module's checkpoint name, for a mixture-of-experts block."""
+    layout, experts = block.experts, block.module.get_submodule(f"{block.experts.memory_block}.experts")
+    return {(e, p): f"{block.prefix}{layout.disk_block}.experts.{e}.{p}"
+            for e in range(experts.gate_up_proj.shape[0]) for p in (layout.gate, layout.up, layout.down)}
+
+
+def _expert_weights(experts: torch.nn.Module, layout, e: int) -> dict[str, torch.Tensor]:
+    inter = experts.gate_up_proj.shape[1] // 2
+    return {layout.gate: experts.gate_up_proj[e, :inter], layout.up: experts.gate_up_proj[e, inter:],
+            layout.down: experts.down_proj[e]}
+
+
+@torch.no_grad()
+def fold_expert_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set[str],
+                       result: BlockResult) -> dict[tuple[int, str], torch.Tensor]:
+    """A mixture-of-experts block: one scale for the input the router and every expert's gate/up share (folded
+    into ``arch.moe_norm``, the router's columns multiplied by it so that routing is unchanged), searched on each
+    expert's own tokens; then each expert's down_proj scale, folded into its up rows. Returns each expert
+    projection's sampled input as the scaled block sees it. An expert no calibration token reached keeps
+    scale 1 for its down_proj (and no clipping)."""
+    layout, layer = block.experts, block.module
+    experts = layer.get_submodule(f"{layout.memory_block}.experts")
+    router = layer.get_submodule(f"{layout.memory_block}.{layout.router}")
+    names = expert_modules(block)
+    n, inter = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1] // 2
+    reached = [e for e in range(n) if f"experts.{e}" in block.stats]
+    inputs: dict[tuple[int, str], torch.Tensor] = {}
+    if reached and all(names[e, p] in quantized for e in reached for p in (layout.gate, layout.up)):
+        xs = [block.stats[f"experts.{e}"].sample() for e in reached]
+        found = search_scale(xs, block.stats["experts"].mean_abs, [experts.gate_up_proj[e] for e in reached], scheme)
+        s = found.scale
+        layer.get_submodule(arch.moe_norm).weight.div_(s)
+        router.weight.mul_(s.view(1, -1))
+        experts.gate_up_proj.mul_(s.view(1, 1, -1))
+        for e, x in zip(reached, xs, strict=True):
+            inputs[e, layout.gate] = inputs[e, layout.up] = x / s
+        result.groups.append({"group": (f"{layout.memory_block}.experts.*.gate_up",), "alpha": found.alpha,
+                              "loss_vs_rtn": found.loss / found.loss_unscaled if found.loss_unscaled else 1.0})
+    for e in reached:
+        st = block.stats[f"experts.{e}.down"]
+        x = st.sample()
+        if names[e, layout.down] not in quantized:
+            continue
+        found = search_scale(x, st.mean_abs, [experts.down_proj[e]], scheme)
+        s = found.scale
+        experts.gate_up_proj[e, inter:].div_(s.view(-1, 1))
+        experts.down_proj[e].mul_(s.view(1, -1))
+        inputs[e, layout.down] = x / s
+        result.groups.append({"group": (f"{layout.memory_block}.experts.{e}.down_proj",), "alpha": found.alpha,
+                              "loss_vs_rtn": found.loss / found.loss_unscaled if found.loss_unscaled else 1.0})
+    return inputs
+
+
+@torch.no_grad()
+def _quantize_experts(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFormat, quantized: set[str],
+                      out_dtype: torch.dtype, awq: bool, result: BlockResult) -> None:
+    """Each expert's projections written under the checkpoint's per-expert names (4-bit where ``quantized``),
+    the router under its disk name, 16-bit."""
+    layout, layer = block.experts, block.module
+    inputs = fold_expert_scales(block, arch, scheme, quantized, result) if awq else {}
+    experts = layer.get_submodule(f"{layout.memory_block}.experts")
+    for (e, proj), name in expert_modules(block).items():
+        w = _expert_weights(experts, layout, e)[proj]
+        if name not in quantized:
+            result.tensors[f"{name}.weight"] = w.to(out_dtype)
+            continue
+        if awq and (e, proj) in inputs:
+            w = apply_clip(w, search_clip(inputs[e, proj], w, scheme), scheme.group_size)
+        result.quantized.add(name)
+        result.tensors.update(fmt.pack(quantize(w, scheme), name))
+    router = layer.get_submodule(f"{layout.memory_block}.{layout.router}").weight
+    result.tensors[f"{block.prefix}{layout.disk_block}.{layout.router}.weight"] = router.to(out_dtype)
+
+
 @torch.no_grad()
 def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFormat, quantized: set[str],
                    out_dtype: torch.dtype, awq: bool = True) -> BlockResult:
@@ -78,6 +153,10 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
     layer = block.module
     result = BlockResult({})
     inputs = fold_scales(block, arch, scheme, quantized, result) if awq else {}
+    moe: str | None = None
+    if arch.moe_norm is not None and block.experts is not None:
+        _quantize_experts(block, arch, scheme, fmt, quantized, out_dtype, awq, result)
+        moe = f"{block.experts.memory_block}."  # its tensors are written above, under their disk names
     for name in arch.linears:
         full = block.prefix + name
         if full not in quantized:
@@ -91,6 +170,9 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
     for key, t in layer.state_dict().items():
         full = block.prefix + key
         if key.endswith(".weight") and full[: -len(".weight")] in quantized:
+            continue
+        if moe is not None and key.startswith(moe) and (
+                ".experts." in key or key.endswith(f".{block.experts.router}.weight")):
             continue
         result.tensors[full] = t.to(out_dtype) if t.is_floating_point() else t
     return result

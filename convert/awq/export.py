@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from ..arch import arch_for
+from ..cpu import w4a16_cpu_problem
 from ..errors import UserError
+from ..experts import expert_tensor
 from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
 from ..export_vllm import LAUNCH_SH, check_for_vllm, launch_args, write_launch, write_vllm_adapter
@@ -24,7 +26,7 @@ from ..options import ExportOptions, ExportResult, model_name
 from ..tensors import TensorMeta
 from ..vllm_rules import float16_refusal, round_lora_rank
 from .adapters import SCALES_FILE, mark_rescaled, rescale_adapter, scales_digest, write_scales
-from .archs import FUSED_SETS, awq_arch_for
+from .archs import FUSED_SETS, awq_arch_for, dense_layers_refusal
 from .blocks import NOT_WEIGHTS, BlockPass
 from .calib import load_calibration
 from .core import hooked_modules, quantize_block
@@ -69,16 +71,16 @@ def quantized_modules(plan: MergePlan, linears: tuple[str, ...], layer_prefix: s
         raise UserError(f"--ignore {e.pattern!r} is not a regular expression: {e}", "fix the pattern") from None
     shapes = {s.name: s.shape for s in plan.specs}
     chosen, ignored, unfit = set(), [], []
-    for i in range(n_layers):
-        for lin in linears:
-            name = f"{layer_prefix}.{i}.{lin}"
-            out_f, in_f = shapes[f"{name}.weight"]
-            if any(p.search(name) for p in patterns):
-                ignored.append(name)
-            elif in_f % scheme.group_size or out_f % PACK:
-                unfit.append(name)
-            else:
-                chosen.add(name)
+    per_expert = expert_tensor(plan.base.arch) if plan.base.arch else None
+    experts = [s.name.removesuffix(".weight") for s in plan.specs if per_expert and per_expert.match(s.name)]
+    for name in [f"{layer_prefix}.{i}.{lin}" for i in range(n_layers) for lin in linears] + experts:
+        out_f, in_f = shapes[f"{name}.weight"]
+        if any(p.search(name) for p in patterns):
+            ignored.append(name)
+        elif in_f % scheme.group_size or out_f % PACK:
+            unfit.append(name)
+        else:
+            chosen.add(name)
     kept = set(ignored) | set(unfit)
     for i in range(n_layers):  # vLLM fuses these: a set is quantized as a whole or not at all
         for fused, members in FUSED_SETS.items():
@@ -87,6 +89,13 @@ def quantized_modules(plan: MergePlan, linears: tuple[str, ...], layer_prefix: s
                 raise UserError(f"--ignore keeps {', '.join(sorted(names & kept))} 16-bit but not the rest of "
                                 f"{', '.join(members)}, which vLLM fuses into one {fused}",
                                 "ignore all of them or none (e.g. --ignore 'self_attn\\.(q|k|v)_proj')")
+    layers: dict[str, set[bool]] = {}  # vLLM runs a layer's experts as one fused MoE: all 4-bit or none
+    for name in experts:
+        layers.setdefault(name.split(".experts.")[0], set()).add(name in chosen)
+    if mixed := sorted(block for block, kinds in layers.items() if len(kinds) > 1):
+        raise UserError(f"{mixed[0]}: some experts would be 4-bit and others 16-bit (--ignore, or widths that do not "
+                        f"fit --group-size {scheme.group_size}), but vLLM runs a layer's experts as one fused module",
+                        "ignore all of a layer's experts or none, or pass a --group-size every expert fits")
     return chosen, ignored, unfit
 
 
@@ -131,6 +140,8 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     """Quantize (merged) weights block by block and write the HF directory, adapters and launch files."""
     ckpt, loaded = open_inputs(opts, "awq")
     arch = awq_arch_for(arch_for(ckpt.model_type).model_type)
+    if why := dense_layers_refusal(ckpt.model_type, ckpt.config):
+        raise UserError(f"AWQ cannot calibrate this model: {why}", "use --target vllm or gguf for this base")
     fmt = format_for(opts.quant_format or DEFAULT_FORMAT)
     separate = opts.adapter_mode == "separate"
     if separate and not loaded:
@@ -149,6 +160,9 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
                         "(input width must divide by it, output width by 8)",
                         "pass a smaller --group-size, or fewer --ignore patterns")
     notes = list(plan.notes)
+    if ckpt.arch.experts is not None and (why := w4a16_cpu_problem(
+            {**ckpt.config, "quantization_config": fmt.config(scheme, [])})):
+        notes.append(f"vLLM's CPU build cannot run this model on this machine ({why}); vLLM on a GPU can")
     if unfit:
         notes.append(f"{len(unfit)} linear(s) kept 16-bit: their widths do not fit --group-size "
                      f"{scheme.group_size} (e.g. {unfit[0]})")
@@ -193,7 +207,10 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         if scales:  # what adapters trained on the 16-bit base need to be rewritten with (convert.awq.adapters)
             write_scales(tmp / SCALES_FILE, scales)
         kept = [*ignored, *unfit]
-        ignore_names = ["lm_head", *kept] if fmt.name == "compressed-tensors" else [*kept, *fused_names(kept)]
+        layout = ckpt.arch.experts
+        routers = [f"{layer_prefix}.{i}.{layout.disk_block}.{layout.router}" for i in range(n_layers)] if layout else []
+        ignore_names = (["lm_head", *routers, *kept] if fmt.name == "compressed-tensors"
+                        else [*routers, *kept, *fused_names(kept)])
         config = {**plan.config, "torch_dtype": CONFIG_DTYPE_NAMES[dtype],
                   "quantization_config": fmt.config(scheme, ignore_names)}
         if "dtype" in plan.base.config:

@@ -29,19 +29,20 @@ class ScaleResult:
     loss_unscaled: float  # output MSE of plain round-to-nearest
 
 
-def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor],
+def search_scale(x: torch.Tensor | list[torch.Tensor], mean_abs: torch.Tensor, weights: list[torch.Tensor],
                  scheme: QuantScheme) -> ScaleResult:
-    """The per-input-channel scale for linears ``weights`` ([out, in] fp32) reading ``x`` ([tokens, in])."""
-    refs = [x @ w.T for w in weights]
+    """The per-input-channel scale for linears ``weights`` ([out, in] fp32) reading ``x`` ([tokens, in]; or one
+    input per weight, as the experts of a mixture each read the tokens routed to them)."""
+    inputs = x if isinstance(x, list) else [x] * len(weights)
+    refs = [xi @ w.T for xi, w in zip(inputs, weights, strict=True)]
     best = (float("inf"), 0.0, torch.ones_like(mean_abs))
     base_loss = None
     for i in range(SCALE_GRID):
         alpha = i / SCALE_GRID
         s = mean_abs.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        xs = x / s
-        loss = sum(float((xs @ fake_quantize(w * s, scheme).T - r).pow(2).mean())
-                   for w, r in zip(weights, refs, strict=True))
+        loss = sum(float(((xi / s) @ fake_quantize(w * s, scheme).T - r).pow(2).mean())
+                   for xi, w, r in zip(inputs, weights, refs, strict=True))
         if base_loss is None:
             base_loss = loss
         if loss < best[0]:

@@ -73,11 +73,14 @@ def calibration_arch(model_type: str):
     """The calibration pass's table entry (transformers layer classes, linears sharing an input)."""
     from ..awq.archs import AWQ_ARCHS, NOT_SUPPORTED
 
-    if model_type in AWQ_ARCHS:
+    if model_type in AWQ_ARCHS and AWQ_ARCHS[model_type].moe_norm is None:
         return AWQ_ARCHS[model_type]
-    why = NOT_SUPPORTED.get(model_type, "no entry in the calibration table")
+    why = ("mixture of experts: llama.cpp keeps one importance row per expert of its stacked ffn_*_exps tensors, "
+           "which tuneport does not write yet" if model_type in AWQ_ARCHS else
+           NOT_SUPPORTED.get(model_type, "no entry in the calibration table"))
+    covered = ", ".join(sorted(a for a, x in AWQ_ARCHS.items() if x.moe_norm is None))
     raise UserError(f"--calib (importance matrix) is not available for architecture {model_type!r}: "
-                    f"tuneport's calibration pass runs {', '.join(sorted(AWQ_ARCHS))} ({model_type}: {why})",
+                    f"tuneport's importance matrix covers {covered} ({model_type}: {why})",
                     "drop --calib/--calib-samples/--calib-seqlen and use a --quant type that needs no "
                     "importance matrix (k-quants, iq3_s, iq4_xs, ...)")
 

@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tuneport.convert.arch import known_arch
 from tuneport.convert.awq.formats import FORMATS, quant_info, scheme_of
 from tuneport.convert.cpu import w4a16_cpu_problem
 from tuneport.convert.errors import UserError
+from tuneport.convert.fused_experts import fuse_to_memory
 
 from .vllm_runner import VllmRunner, _bundle_model, adapter_for_awq_base
 
@@ -28,8 +30,15 @@ def is_4bit_dir(path: Path) -> bool:
     return quant_info(cfg.get("quantization_config") or {}) is not None
 
 
-def vllm_cannot_run_4bit() -> bool:
-    return importlib.util.find_spec("vllm") is None or (w4a16_cpu_problem() is not None
+def vllm_cannot_run_4bit(path: Path | None = None) -> bool:
+    """No vLLM, or a CPU whose W4A16 kernels cannot run the 4-bit model at ``path``, and no GPU."""
+    config = None
+    if path is not None:
+        try:
+            config = json.loads((_bundle_model(path) / "config.json").read_text())
+        except (UserError, OSError, ValueError):
+            config = None
+    return importlib.util.find_spec("vllm") is None or (w4a16_cpu_problem(config) is not None
                                                          and not torch.cuda.is_available())
 
 
@@ -67,6 +76,7 @@ class DequantizedRunner(VllmRunner):
 
         self._open(model, lora)
         cfg, state = dequantized_state(self.model_dir)
+        state = fuse_to_memory(known_arch(cfg.get("model_type")), state)  # experts as transformers 5 holds them
         config = AutoConfig.for_model(**cfg)
         model_ = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model_.load_state_dict(state, strict=False)

@@ -77,7 +77,7 @@ ARTIFACT_KINDS: tuple[tuple[Callable[[Path], bool], str], ...] = (
 def _is_4bit_without_vllm(path: Path) -> bool:
     from .dequant_runner import is_4bit_dir, vllm_cannot_run_4bit
 
-    return path.is_dir() and is_4bit_dir(path) and vllm_cannot_run_4bit()
+    return path.is_dir() and is_4bit_dir(path) and vllm_cannot_run_4bit(path)
 
 
 def _runner_for(opts: VerifyOptions):

@@ -62,7 +62,7 @@ def compute_dtype(model_dir: Path) -> str:
     cfg = json.loads((model_dir / "config.json").read_text())
     if not quant_info(cfg.get("quantization_config") or {}):
         return "float32"
-    require_w4a16_cpu()
+    require_w4a16_cpu(cfg)
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
 
 
