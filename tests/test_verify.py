@@ -245,3 +245,20 @@ def test_verify_every_architecture_mlx(zoo, tmp_path, arch):
     report = verify(artifact=out, reference=base, adapter=adapter, lora=out / "adapters" / "a",
                     gates=["max_abs<=1e-3", "top1>=1", "greedy>=1"])
     assert not _numeric_failures(report), report.failure_line()
+
+
+def test_the_reference_cache_tells_configs_apart(zoo, tmp_path):
+    """Two bases with the same weight files and different config.json compute different things (the tiny llama
+    and granite share their weights): the cached fp32 reference of one is never served for the other."""
+    import json
+    import shutil
+
+    from tuneport.toolkit.verify.reference import reference
+
+    other = tmp_path / "other"
+    shutil.copytree(zoo.base("llama"), other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.5}))
+    a = reference(zoo.base("llama"), None, None, 32, 4)
+    b = reference(other, None, None, 32, 4)
+    assert a.ids == b.ids and (a.logits - b.logits).abs().max() > 0.01

@@ -19,7 +19,7 @@ from tuneport.convert.io import cache_dir, content_digest, write_once
 from ..fidelity import load_hf, load_peft
 
 log = logging.getLogger(__name__)
-REFERENCE_VERSION = 1  # bump when what is cached changes
+REFERENCE_VERSION = 2  # bump when what is cached changes
 
 # The built-in eval text: prose, code, numbers, unicode, whitespace (offline, any model).
 EVAL_CORPUS = """The river ran quietly past the old mill, and in the morning light the water looked almost silver.
@@ -80,7 +80,11 @@ def _context(base: Path) -> int:
 
 
 def _key(base: Path, adapter: Path | None, ids: list[int], greedy_tokens: int) -> str:
-    h = hashlib.sha256(json.dumps({"base": checkpoint_sha256(Checkpoint(base)), "v": REFERENCE_VERSION,
+    """The weights, config.json (the same weights under another config compute something else: a Granite's
+    multipliers, a Qwen3-MoE's norm_topk_prob), the adapter, the tokens."""
+    config = hashlib.sha256((base / "config.json").read_bytes()).hexdigest()
+    h = hashlib.sha256(json.dumps({"base": checkpoint_sha256(Checkpoint(base)), "config": config,
+                                   "v": REFERENCE_VERSION,
                                    "adapter": content_digest(adapter) if adapter else None, "ids": ids,
                                    "greedy": greedy_tokens}, sort_keys=True).encode())
     return h.hexdigest()[:24]
