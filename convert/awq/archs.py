@@ -40,6 +40,9 @@ class AWQArch:
     # mixture of experts: the norm before the router and every expert (one scale for the router and all the
     # experts' gate/up, folded there; each expert's down_proj scaled into its own up rows). None: dense MLP.
     moe_norm: str | None = None
+    # config values (transformers' defaults where absent) that keep every layer of a mixture sparse: another value
+    # puts dense MLP layers among the sparse ones, which one table entry per architecture cannot describe
+    sparse_layers: tuple[tuple[str, Any], ...] = ()
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -117,7 +120,8 @@ AWQ_ARCHS: dict[str, AWQArch] = {
     "olmo2": _arch("olmo2", "Olmo2", OLMO2_GROUPS),
     "phi3": _arch("phi3", "Phi3", PHI3_GROUPS, no_clip=("self_attn.qkv_proj",)),
     "mixtral": _arch("mixtral", "Mixtral", ATTENTION_GROUPS, moe_norm="post_attention_layernorm"),
-    "qwen3_moe": _arch("qwen3_moe", "Qwen3Moe", ATTENTION_GROUPS, moe_norm="post_attention_layernorm"),
+    "qwen3_moe": _arch("qwen3_moe", "Qwen3Moe", ATTENTION_GROUPS, moe_norm="post_attention_layernorm",
+                       sparse_layers=(("mlp_only_layers", []), ("decoder_sparse_step", 1))),
 }
 # Why the others are not in the table (told to the user).
 NOT_SUPPORTED: dict[str, str] = {}
@@ -128,11 +132,12 @@ def awq_refusal(model_type: str) -> str | None:
     return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
 
 
-def dense_layers_refusal(model_type: str, config: dict) -> str | None:
-    """Why a mixture-of-experts model with dense MLP layers among its sparse ones cannot be calibrated (the
-    table describes one MLP per architecture), or None."""
-    if model_type == "qwen3_moe" and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
-        return ("this Qwen3-MoE has dense MLP layers among its sparse ones (mlp_only_layers / decoder_sparse_step), "
+def dense_layers_refusal(arch: AWQArch, config: dict) -> str | None:
+    """Why a mixture-of-experts model with dense MLP layers among its sparse ones cannot be calibrated, or None."""
+    off = [f"{key} {config[key]!r}" for key, sparse in arch.sparse_layers
+           if config.get(key, sparse) not in (sparse, None)]
+    if off:
+        return (f"this {config.get('model_type')} has dense MLP layers among its sparse ones ({', '.join(off)}), "
                 "which the calibration pass does not run")
     return None
 

@@ -140,7 +140,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     """Quantize (merged) weights block by block and write the HF directory, adapters and launch files."""
     ckpt, loaded = open_inputs(opts, "awq")
     arch = awq_arch_for(arch_for(ckpt.model_type).model_type)
-    if why := dense_layers_refusal(ckpt.model_type, ckpt.config):
+    if why := dense_layers_refusal(arch, ckpt.config):
         raise UserError(f"AWQ cannot calibrate this model: {why}", "use --target vllm or gguf for this base")
     fmt = format_for(opts.quant_format or DEFAULT_FORMAT)
     separate = opts.adapter_mode == "separate"
