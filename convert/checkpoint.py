@@ -23,7 +23,7 @@ from .io import sha256_file
 from .safetensors_file import SafetensorsFile
 from .tensors import TensorMeta
 
-# Files that travel with a model: everything a tokenizer or generation needs.
+# Files that travel with a model: everything a tokenizer, a processor or generation needs.
 SIDE_FILES = (
     "generation_config.json",
     "tokenizer.json",
@@ -35,6 +35,8 @@ SIDE_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "processor_config.json",  # a multimodal model's processor (transformers 5 keeps the image processor's in it)
+    "preprocessor_config.json",
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

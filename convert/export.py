@@ -159,7 +159,6 @@ def for_target(ckpt: Checkpoint, target: str) -> Checkpoint:
     """The checkpoint ``target`` exports: a multimodal one's text model for text-only targets (refused by the
     others with the reason)."""
     from .multimodal import (
-        FULL_REFUSALS,
         FULL_TARGETS,
         MULTIMODAL_REFUSAL,
         TEXT_ONLY_TARGETS,
@@ -170,8 +169,8 @@ def for_target(ckpt: Checkpoint, target: str) -> Checkpoint:
     if ckpt.model_type not in TEXT_TOWERS or target in FULL_TARGETS:
         return ckpt
     if target not in TEXT_ONLY_TARGETS:
-        why = FULL_REFUSALS.get(target, MULTIMODAL_REFUSAL)
-        raise UserError(f"--target {target} does not export multimodal {ckpt.model_type} checkpoints: {why}",
+        raise UserError(f"--target {target} does not export multimodal {ckpt.model_type} checkpoints: "
+                        f"{MULTIMODAL_REFUSAL}",
                         f"tuneport merge keeps the whole model; --target {' or '.join(TEXT_ONLY_TARGETS)} export "
                         "its text model")
     return text_tower_view(ckpt)

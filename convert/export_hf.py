@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import SIDE_FILES
@@ -18,9 +20,12 @@ TOKENIZER_FILES = tuple(f for f in SIDE_FILES if f != "generation_config.json")
 
 
 def write_merged(plan: MergePlan, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 progress: Progress | None = None) -> dict[Path, str]:
-    """Stream the merged tensors into ``out`` (an existing, empty directory); return output sha256s."""
-    hashes = write_tensors(out, plan.specs, plan.specs, lambda spec: [(spec.name, merge_one(plan, spec))],
+                 progress: Progress | None = None, rename: Callable[[str], str] | None = None) -> dict[Path, str]:
+    """Stream the merged tensors into ``out`` (an existing, empty directory), each under ``rename(name)``
+    when given; return output sha256s."""
+    rename = rename or (lambda name: name)
+    specs = [replace(s, name=rename(s.name)) for s in plan.specs]
+    hashes = write_tensors(out, specs, plan.specs, lambda spec: [(rename(spec.name), merge_one(plan, spec))],
                            max_shard_bytes=max_shard_bytes, progress=progress)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2))
     copy_side_files(plan, out)

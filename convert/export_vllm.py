@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from .io import atomic_dir
 from .load_check import check_adapter_dirs, check_hf_dir
 from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge
+from .multimodal import vllm_name
 from .options import ExportOptions, ExportResult, model_name
 from .vllm_rules import Preflight, float16_refusal, preflight, preflight_message, round_lora_rank
 
@@ -110,6 +111,27 @@ def check_for_vllm(base: Checkpoint, adapters: list[WeightedAdapter],
     return results
 
 
+def vllm_renamer(ckpt: Checkpoint) -> Callable[[str], str] | None:
+    """How ``ckpt``'s tensors must be renamed for vLLM to load them; None when they load as they are."""
+    if all(vllm_name(ckpt.model_type, n) == n for n in ckpt.names()):
+        return None
+    return lambda name: vllm_name(ckpt.model_type, name)
+
+
+def copy_base(ckpt: Checkpoint, out: Path, progress: Progress | None) -> None:
+    files = ckpt.weight_files + ckpt.side_files() + [ckpt.path / "config.json"]
+    index = ckpt.path / "model.safetensors.index.json"
+    if index.exists():
+        files.append(index)
+    total = sum(f.stat().st_size for f in files)
+    done = 0
+    for f in files:
+        shutil.copyfile(f, out / f.name)
+        done += f.stat().st_size
+        if progress:
+            progress(done, total, f.name)
+
+
 def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
     """Write a bundle vLLM serves as is: the merged model, or the base plus one directory per adapter."""
     ckpt, loaded = open_inputs(opts, "vllm")
@@ -123,7 +145,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
             raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
         plan = plan_merge(ckpt, loaded, opts.dtype)
         with atomic_dir(opts.out, force=opts.force) as tmp:
-            hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress)
+            hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress, rename=vllm_renamer(ckpt))
             load_check = check_hf_dir(tmp)
             write_launch(tmp, launch_args(".", served, adapters={}, max_rank=0, dtype=vllm_dtype))
             manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
@@ -139,17 +161,10 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
     with atomic_dir(opts.out, force=opts.force) as tmp:
         base_dir = tmp / "base"
         base_dir.mkdir()
-        files = ckpt.weight_files + ckpt.side_files() + [ckpt.path / "config.json"]
-        index = ckpt.path / "model.safetensors.index.json"
-        if index.exists():
-            files.append(index)
-        total = sum(f.stat().st_size for f in files)
-        done = 0
-        for f in files:
-            shutil.copyfile(f, base_dir / f.name)
-            done += f.stat().st_size
-            if progress:
-                progress(done, total, f.name)
+        if rename := vllm_renamer(ckpt):  # tensors renamed as vLLM loads them: the base rewritten, streamed
+            write_merged(plan_merge(ckpt, []), base_dir, opts.max_shard_bytes, progress, rename=rename)
+        else:
+            copy_base(ckpt, base_dir, progress)
         paths = {}
         for w, pf in zip(loaded, results, strict=True):
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)

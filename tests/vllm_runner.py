@@ -3,7 +3,8 @@
 Usage: python tests/vllm_runner.py JOBS.json  ->  stdout: one JSON line after the marker.
 A job is {"bundle": dir} (reads tuneport's vllm_launch.json: base + adapters, all in one batch; with
 "with_base": true the base answers the prompts too, under the name "", in a batch of its own) or
-{"model": dir} (a merged model, no LoRA). Each job has "prompts" (token id lists) and "max_tokens".
+{"model": dir} (a merged model, no LoRA). Each job has "prompts" (token id lists), or "texts" and "images"
+(an image file or null per text), and "max_tokens"; the result also holds each greedy token's logprob.
 """
 
 from __future__ import annotations
@@ -46,16 +47,32 @@ def launch_options(bundle: Path) -> tuple[Path, dict, dict[str, str]]:
     return model, opts, loras
 
 
+def job_prompts(job: dict) -> list:
+    """Token-id prompts, or text prompts each with an image file (multimodal models)."""
+    from vllm.inputs import TokensPrompt
+
+    if "texts" not in job:
+        return [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    from PIL import Image
+
+    return [{"prompt": t, "multi_modal_data": {"image": Image.open(i).convert("RGB")}} if i else {"prompt": t}
+            for t, i in zip(job["texts"], job["images"], strict=True)]
+
+
+def token_logprobs(output) -> list[float]:
+    """The log-probability vLLM gave each greedy token."""
+    return [step[tok].logprob for tok, step in zip(output.token_ids, output.logprobs or [], strict=False)]
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     jobs = json.loads(Path(sys.argv[1]).read_text())
     results = []
     for job in jobs:
-        sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=0)
+        prompts = job_prompts(job)
         if "bundle" in job:
             model, opts, loras = launch_options(Path(job["bundle"]))
             llm = LLM(model=str(model), dtype=job.get("dtype", "float32"), enable_lora=True,
@@ -72,13 +89,16 @@ def main() -> None:
             lora_reqs = [r for r in reqs for _ in prompts]
             outs = llm.generate(batch, sp, lora_request=lora_reqs, use_tqdm=False)
             toks = [list(o.outputs[0].token_ids) for o in outs]
+            logprobs = [token_logprobs(o.outputs[0]) for o in outs]
             n = len(prompts)
-            results.append({**result, **{name: toks[i * n:(i + 1) * n] for i, name in enumerate(names)}})
+            results.append({**result, **{name: toks[i * n:(i + 1) * n] for i, name in enumerate(names)},
+                            "logprobs": {name: logprobs[i * n:(i + 1) * n] for i, name in enumerate(names)}})
         else:
             llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=256, enforce_eager=True,
                       seed=0)
             outs = llm.generate(prompts, sp, use_tqdm=False)
-            results.append({"": [list(o.outputs[0].token_ids) for o in outs]})
+            results.append({"": [list(o.outputs[0].token_ids) for o in outs],
+                            "logprobs": [token_logprobs(o.outputs[0]) for o in outs]})
         del llm
         gc.collect()
     print(MARKER + json.dumps(results), flush=True)

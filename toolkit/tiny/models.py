@@ -69,6 +69,13 @@ TINY_DIMS = dict(
     initializer_range=0.08,
 )
 
+# Gemma 3's vision inputs, tiny: 32-pixel images, pooled to 4 tokens each; its tokenizer's image tokens.
+VISION_IMAGE_SIZE = 32
+MM_TOKENS_PER_IMAGE = 4
+# Gemma's vocabulary holds runs of 1-4 newlines as pieces; vLLM's Gemma 3 processor looks them up around images.
+NEWLINE_PIECES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
+IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+
 WIDE_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,6 +98,8 @@ def make_base(
     out = Path(out)
     TOKENIZER_WRITERS[spec.tokenizer](out)
     tok = AutoTokenizer.from_pretrained(out)
+    if spec.text_config_class:  # Gemma 3's image tokens and processor, as its checkpoints ship them
+        tok = _write_image_processor(out)
     config_cls = getattr(transformers, spec.config_class)
     text_cls = getattr(transformers, spec.text_config_class or spec.config_class)
     config = text_cls(
@@ -103,10 +112,10 @@ def make_base(
     )
     if spec.text_config_class:  # head size 32 in the vision tower too (vLLM's CPU attention)
         vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=32, patch_size=8)
-        n = len(tok)
-        config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                            image_token_index=n - 3, boi_token_index=n - 2, eoi_token_index=n - 1,
+                                                 num_attention_heads=2, image_size=VISION_IMAGE_SIZE, patch_size=8)
+        config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),
+                            mm_tokens_per_image=MM_TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
+                            boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                             tie_word_embeddings=config.tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -123,6 +132,18 @@ def make_base(
     ).save_pretrained(out)
     _set_config_dtype(out / "config.json", dtype)
     return out
+
+
+def _write_image_processor(out: Path):
+    """Gemma 3's three image tokens and newline pieces added to the tokenizer, and its processor (32-pixel
+    images, 4 tokens each) written beside it; the tokenizer returned."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor
+
+    tok = AutoTokenizer.from_pretrained(out, extra_special_tokens=IMAGE_TOKENS)
+    tok.add_tokens(NEWLINE_PIECES)
+    image = Gemma3ImageProcessor(size={"height": VISION_IMAGE_SIZE, "width": VISION_IMAGE_SIZE})
+    Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=MM_TOKENS_PER_IMAGE).save_pretrained(out)
+    return tok
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:

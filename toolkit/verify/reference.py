@@ -76,6 +76,7 @@ def eval_ids(tok, eval_file: Path | None, tokens: int) -> list[int]:
 def _context(base: Path) -> int:
     """The positions the model was trained for (the eval text is cut to fit them, with one to spare)."""
     config = json.loads((base / "config.json").read_text())
+    config = {**config, **(config.get("text_config") or {})}  # a multimodal model's: its text model's
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 1 << 20)
 
 
