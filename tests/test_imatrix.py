@@ -1,7 +1,8 @@
 """Importance matrices for llama.cpp (``export --target gguf --calib``): the matrix equals Σx² of every linear's
-input in transformers, its GGUF file round-trips, llama.cpp's quantizer uses it, IQ types and unsupported
-architectures are refused; on a trained model every tested type gets closer to fp32 with the matrix than
-without (KL measured in llama.cpp), and the matrix agrees with llama.cpp's own ``llama-imatrix``."""
+input in transformers, its GGUF file round-trips, llama.cpp's quantizer uses it, IQ types without one and models
+the pass cannot run are refused; on a trained model every tested type gets closer to fp32 with the matrix than
+without (KL measured in llama.cpp), and the matrix agrees with llama.cpp's own ``llama-imatrix``, per expert on
+mixtures of experts."""
 
 from __future__ import annotations
 
@@ -204,15 +205,36 @@ def test_export_with_calib_file(zoo, tmp_path, cli):
     assert "IQ3_XXS" in types
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_export_with_calib_on_mixture_of_experts(zoo, tmp_path, cli, arch):
+    """--calib-samples on a mixture of experts: imatrix.gguf holds the router and one row per expert of each stacked
+    projection (counts summing to top-k x tokens), and the IQ3_XXS file is written with it."""
+    from gguf import GGUFReader
+
+    out = tmp_path / "gguf"
+    m = export(cli, "--base", zoo.base(arch), "--quant", "f32,iq3_xxs", "--calib-samples", "2", "--calib-seqlen", "32",
+               "--out", out)
+    assert m["imatrix"]["used_for"] == ["iq3_xxs"]
+    im = read_imatrix(out / "imatrix.gguf")
+    stacked = [n for n in im.names if "_exps." in n]
+    assert len(stacked) == 3 * 2 and all(len(im.counts[n]) == 4 and sum(im.counts[n]) == 2 * 2 * 32 for n in stacked)
+    assert all(im.counts[f"blk.{i}.ffn_gate_inp.weight"] == 2 * 32 for i in range(2))
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(out / f"{zoo.base(arch).name}-IQ3_XXS.gguf")).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] != "F32"
+
+
 def test_refusals(zoo, tmp_path, cli):
     base = zoo.base("llama", wide=True)
     err = refused(cli, tmp_path / "o1", "--base", base, "--quant", "q4_k_m,iq2_xs", expect="--calib")
     assert "iq2_xs" in err and "importance matrix" in err
     refused(cli, tmp_path / "o2", "--base", base, "--quant", "iq1_s", expect="--calib-samples")
-    for arch in ("mixtral", "qwen3_moe"):
-        err = refused(cli, tmp_path / f"o-{arch}", "--base", zoo.base(arch), "--quant", "q4_k_m",
-                      "--calib-samples", "2", expect="--calib")
-        assert arch in err and "llama" in err and "mixture of experts" in err
+    dense_among_sparse = tmp_path / "qwen3-moe-dense-layers"  # layer 1 dense: the calibration pass does not run it
+    shutil.copytree(zoo.base("qwen3_moe"), dense_among_sparse)
+    cfg = json.loads((dense_among_sparse / "config.json").read_text())
+    (dense_among_sparse / "config.json").write_text(json.dumps({**cfg, "mlp_only_layers": [1]}))
+    err = refused(cli, tmp_path / "o-moe", "--base", dense_among_sparse, "--quant", "q4_k_m", "--calib-samples", "2",
+                  expect="--calib")
+    assert "dense MLP layers among its sparse ones" in err
     refused(cli, tmp_path / "o3", "--base", base, "--calib", tmp_path / "missing.txt", expect="no such file")
     refused(cli, tmp_path / "o4", "--base", base, "--calib-seqlen", "100000", expect="--calib-seqlen")
 
@@ -450,3 +472,74 @@ def test_agrees_with_llama_imatrix(trained, llama_tools, tmp_path, capsys):
     a = {t.name: np.asarray(t.data).tobytes() for t in GGUFReader(str(cli_q)).tensors}
     b = {t.name: np.asarray(t.data).tobytes() for t in GGUFReader(str(api_q)).tensors}
     assert a == b
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_agrees_with_llama_imatrix(zoo, llama_tools, tmp_path, arch, capsys):
+    """A mixture of experts: llama-imatrix on tuneport's F32 GGUF over the same tokens (llama.cpp's tokenization,
+    a BOS opening each chunk where the vocabulary adds one, as llama-imatrix does) counts the same tokens per
+    expert and gives the same per-expert means for ffn_{gate,up,down}_exps and the router; llama-quantize
+    --imatrix with tuneport's file writes the same IQ3_XXS experts as tuneport's quantizer call, which llama.cpp
+    loads and runs."""
+    from gguf import GGUFReader
+
+    from tuneport.convert.awq.calib import stdlib_text
+    from tuneport.convert.gguf.quant_types import QUANT_TYPES
+    from tuneport.convert.gguf.quantize import quantize_with_llamacpp
+    from tuneport.toolkit.fidelity import llamacpp_model
+
+    n_chunks, seqlen = 4, 64
+    base = zoo.base(arch)
+    out = tmp_path / "gguf"
+    tuneport_export(base, out, "f32")
+    f32 = out / f"{base.name}-F32.gguf"
+    text_file = tmp_path / "calib.txt"
+    text_file.write_text(stdlib_text()[:seqlen * n_chunks * 8])
+    llm = llamacpp_model(f32)
+    try:
+        tokens = llm.tokenize(text_file.read_text().encode(), add_bos=True, special=False)
+        bos = llm.token_bos()
+    finally:
+        llm.close()
+    chunks = [tokens[i * seqlen:(i + 1) * seqlen] for i in range(n_chunks)]
+    if tokens[0] == bos:  # the vocabulary adds a BOS: llama-imatrix opens every chunk with it
+        chunks = [[bos, *c[1:]] for c in chunks]
+    plan, spec = plan_for(base)
+    ours = compute_imatrix(plan, spec, torch.tensor(chunks), dataset=str(text_file))
+    theirs_file = tmp_path / "llama-imatrix.gguf"
+    cmd = [str(llama_tools / "llama-imatrix"), "-m", str(f32), "-f", str(text_file), "-o", str(theirs_file),
+           "-c", str(seqlen), "-b", str(seqlen), "-ub", str(seqlen), "--chunks", str(n_chunks), "--process-output",
+           "--no-ppl", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    theirs = read_imatrix(theirs_file)
+    assert theirs.names == ours.names
+    assert theirs.counts == ours.counts  # the same routing: every expert saw the same number of tokens
+    experts = [n for n in ours.names if "_exps." in n]
+    assert experts and all(len(ours.counts[n]) == plan.config.get("num_local_experts", plan.config.get("num_experts"))
+                           for n in experts)
+    agreement = compare(ours, theirs)
+    with capsys.disabled():
+        worst = max(agreement.items(), key=lambda kv: kv[1][1])
+        print(f"\n{arch}: tuneport vs llama-imatrix, {n_chunks} x {seqlen} tokens, worst per-column relative "
+              f"difference {worst[1][1]:.1e} ({worst[0]}); expert counts {ours.counts[experts[0]]}")
+    assert max(col for _, col, _ in agreement.values()) < 2e-5, agreement
+
+    written = tmp_path / "tuneport.gguf"
+    write_imatrix(ours, written, spec.gguf_arch)
+    assert read_imatrix(written).counts == ours.counts
+    cli_q, api_q = tmp_path / "cli.gguf", tmp_path / "api.gguf"
+    res = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(written), str(f32), str(cli_q),
+                          "IQ3_XXS", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    quantize_with_llamacpp(f32, api_q, QUANT_TYPES["iq3_xxs"], imatrix=read_imatrix(written))  # the file's F32 sums
+    a = {t.name: np.asarray(t.data).tobytes() for t in GGUFReader(str(cli_q)).tensors}
+    b = {t.name: np.asarray(t.data).tobytes() for t in GGUFReader(str(api_q)).tensors}
+    assert a == b
+    llm = llamacpp_model(api_q)
+    try:
+        assert llm.tokenize(b"def add(a, b):") and len(llm("def add(a, b):", max_tokens=4)["choices"][0]["text"]) >= 0
+    finally:
+        llm.close()
