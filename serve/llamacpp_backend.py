@@ -8,6 +8,7 @@ LoRA files or PEFT directories (converted on load for an HF base, cached by cont
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,7 +92,9 @@ class LlamaCppBackend(InProcessBackend):
             raise PoolError(f"{adapter_dir} is a PEFT adapter; converting it needs the HF base",
                             "start with --base HF_DIR, or export GGUF LoRAs with tuneport export --target gguf",
                             status=422)
-        out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}.gguf"
+        # keyed by the base's config too: the GGUF LoRA carries its architecture and is planned from its config
+        base_key = hashlib.sha256((Path(self.hf_base) / "config.json").read_bytes()).hexdigest()[:12]
+        out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}-{base_key}.gguf"
         if not out.exists():
             try:
                 full = Checkpoint(self.hf_base)  # its own reader: conversions run in parallel threads

@@ -328,3 +328,19 @@ def test_multimodal_gemma3_base_serves_its_text_model_with_peft_adapters(zoo, tm
         c = httpx.Client(base_url=server.url, timeout=120)
         got = [ask_tokens(c, "a", p, 4) for p in PROMPTS]
     assert got == [(200, w) for w in want]
+
+
+def test_a_converted_peft_adapter_is_cached_per_base(zoo, tmp_path, monkeypatch):
+    """One PEFT adapter directory served over two HF bases with the same weights and different configs (the tiny
+    llama and granite): each gets its own GGUF LoRA (architecture, multipliers), greedy tokens = PEFT's on each."""
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    adapter = zoo.adapter("llama", "plain")
+    for arch in ("llama", "granite"):
+        base = zoo.base(arch)
+        want = [greedy(load_peft(base, adapter), p, 4) for p in PROMPTS]
+        with tuneport.serve(base=base, adapters={"a": str(adapter)}, engine="llamacpp", dtype="fp32", kv_f32=True,
+                            n_ctx=64, contexts=1, port=0) as server:
+            c = httpx.Client(base_url=server.url, timeout=120)
+            got = [ask_tokens(c, "a", p, 4) for p in PROMPTS]
+        assert got == [(200, w) for w in want], arch
+    assert len(list((tmp_path / "cache" / "loras").glob("*.gguf"))) == 2
