@@ -30,6 +30,10 @@ class TextTower:
     # (prefix, layout vLLM loads): transformers 5 saves SigLIP without its ``vision_model`` level, which vLLM
     # 0.32 cannot load ("no module or parameter named 'vision_tower.embeddings'"); the hub's layout has it
     vllm_renames: tuple[tuple[str, str], ...] = ()
+    # a text-model name prefix -> the whole model's (transformers 5's, PEFT's), for targets that quantize the text
+    # model and write the whole checkpoint (AWQ)
+    memory_prefixes: tuple[tuple[str, str], ...] = ()
+    keep_16bit: tuple[str, ...] = ()  # compressed-tensors ignore patterns for the parts left unquantized
 
 
 TEXT_TOWERS: dict[str, TextTower] = {
@@ -44,12 +48,15 @@ TEXT_TOWERS: dict[str, TextTower] = {
                             ("lm_head.", "language_model.lm_head.")),
         vllm_renames=(("vision_tower.", "vision_tower.vision_model."),
                       ("model.vision_tower.", "model.vision_tower.vision_model.")),
+        memory_prefixes=(("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+        keep_16bit=("re:.*vision_tower.*", "re:.*multi_modal_projector.*"),
     ),
 }
 TEXT_ONLY_TARGETS = ("gguf", "mlx")  # what exports the text tower alone
 # What keeps the whole checkpoint (vision tower included). vLLM serves Gemma3ForConditionalGeneration with LoRA on
 # its language model; images need torchvision, which its CPU build gets only as tests/env/torchvision_cpu_ops.py says.
-FULL_TARGETS = ("merge", "safetensors", "vllm")
+# AWQ quantizes the language model and keeps the vision tower 16-bit.
+FULL_TARGETS = ("merge", "safetensors", "vllm", "awq")
 MULTIMODAL_REFUSAL = "multimodal checkpoints not exported yet (the vision tower would have to be kept)"
 
 
@@ -154,6 +161,46 @@ def text_tower_view(ckpt: Checkpoint) -> Checkpoint:
     return view
 
 
+def whole_checkpoint_namer(ckpt: Checkpoint):
+    """A function naming a text-model tensor or module (``model.layers.0...``, as the text view and its quantized
+    outputs name them) as the whole checkpoint ``ckpt`` stores it, in the layout vLLM loads."""
+    tower = TEXT_TOWERS[ckpt.model_type]
+    present = set(ckpt.names())
+
+    def name(text_name: str) -> str:
+        for prefix, memory in tower.memory_prefixes:
+            if text_name.startswith(prefix):
+                return vllm_name(ckpt.model_type, checkpoint_name(tower, memory + text_name[len(prefix):], present))
+        raise ValueError(f"{text_name} is not a text-model name")
+    return name
+
+
+def is_vision(model_type: str, name: str) -> bool:
+    """Whether the whole checkpoint's tensor ``name`` is outside the text model."""
+    return _rename(TEXT_TOWERS[model_type], name) is None
+
+
+def split_towers(adapter: Adapter, model_type: str) -> tuple[Adapter | None, Adapter | None]:
+    """``adapter`` as its text-model part (renamed for the text view) and the rest (names kept); None where a
+    part is empty."""
+    tower = TEXT_TOWERS[model_type]
+    text, rest = copy.copy(adapter), copy.copy(adapter)
+    text.modules, rest.modules = {}, {}
+    for key, mod in adapter.modules.items():
+        if (new := _rename(tower, mod.target)) is None:
+            rest.modules[key] = mod
+        else:
+            module = new.removesuffix(".weight")
+            text.modules[f"{module}.weight"] = replace(mod, module=module)
+    text.replacements = {_rename(tower, n): t for n, t in adapter.replacements.items() if _rename(tower, n)}
+    text.replacement_origin = {_rename(tower, n): o for n, o in adapter.replacement_origin.items()
+                               if _rename(tower, n)}
+    rest.replacements = {n: t for n, t in adapter.replacements.items() if _rename(tower, n) is None}
+    rest.replacement_origin = {n: o for n, o in adapter.replacement_origin.items() if _rename(tower, n) is None}
+    return (text if text.modules or text.replacements else None,
+            rest if rest.modules or rest.replacements else None)
+
+
 def vision_parts(adapter: Adapter, model_type: str) -> list[str]:
     """The modules and saved tensors of ``adapter`` outside a multimodal model's text model."""
     tower = TEXT_TOWERS[model_type]
@@ -163,7 +210,6 @@ def vision_parts(adapter: Adapter, model_type: str) -> list[str]:
 
 def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapter:
     """``adapter`` renamed for the text view; a module in the vision tower is refused with the reason."""
-    tower = TEXT_TOWERS[model_type]
     vision = vision_parts(adapter, model_type)
     if vision:
         raise UserError(f"adapter {adapter.name} changes the vision tower ({vision[0]}"
@@ -171,11 +217,5 @@ def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapte
                         "drops: its outputs would differ on images",
                         "merge it (tuneport merge keeps the vision tower), or train the adapter on the language model "
                         "only")
-    out = copy.copy(adapter)
-    out.modules = {}
-    for mod in adapter.modules.values():
-        module = _rename(tower, mod.target).removesuffix(".weight")
-        out.modules[f"{module}.weight"] = replace(mod, module=module)
-    out.replacements = {_rename(tower, n): t for n, t in adapter.replacements.items()}
-    out.replacement_origin = {_rename(tower, n): o for n, o in adapter.replacement_origin.items()}
-    return out
+    text, _ = split_towers(adapter, model_type)
+    return text if text is not None else adapter  # an adapter with no tensors at all

@@ -4,7 +4,8 @@ Usage: python tests/vllm_runner.py JOBS.json  ->  stdout: one JSON line after th
 A job is {"bundle": dir} (reads tuneport's vllm_launch.json: base + adapters, all in one batch; with
 "with_base": true the base answers the prompts too, under the name "", in a batch of its own) or
 {"model": dir} (a merged model, no LoRA). Each job has "prompts" (token id lists), or "texts" and "images"
-(an image file or null per text), and "max_tokens"; the result also holds each greedy token's logprob.
+(an image file or null per text), and "max_tokens"; the result also holds each greedy token's logprob, and with
+"prompt_logprobs": true each prompt token's (as vLLM expanded the prompt).
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def token_logprobs(output) -> list[float]:
     return [step[tok].logprob for tok, step in zip(output.token_ids, output.logprobs or [], strict=False)]
 
 
+def prompt_logprobs(output) -> list[float | None]:
+    """The log-probability vLLM gave each prompt token after the ones before it (None for the first, and for all
+    without "prompt_logprobs" in the job)."""
+    rows = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    return [row[tok].logprob if row else None for tok, row in zip(output.prompt_token_ids, rows, strict=True)]
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -71,7 +79,8 @@ def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     results = []
     for job in jobs:
-        sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=0)
+        sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0 if job.get("prompt_logprobs") else None)
         prompts = job_prompts(job)
         if "bundle" in job:
             model, opts, loras = launch_options(Path(job["bundle"]))
@@ -98,7 +107,8 @@ def main() -> None:
                       seed=0)
             outs = llm.generate(prompts, sp, use_tqdm=False)
             results.append({"": [list(o.outputs[0].token_ids) for o in outs],
-                            "logprobs": [token_logprobs(o.outputs[0]) for o in outs]})
+                            "logprobs": [token_logprobs(o.outputs[0]) for o in outs],
+                            "prompt": [[list(o.prompt_token_ids), prompt_logprobs(o)] for o in outs]})
         del llm
         gc.collect()
     print(MARKER + json.dumps(results), flush=True)

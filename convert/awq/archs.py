@@ -127,8 +127,17 @@ AWQ_ARCHS: dict[str, AWQArch] = {
 NOT_SUPPORTED: dict[str, str] = {}
 
 
+def calibrated_model_type(model_type: str) -> str:
+    """The architecture AWQ calibrates for ``model_type``: a multimodal checkpoint's text model."""
+    from ..multimodal import TEXT_TOWERS
+
+    tower = TEXT_TOWERS.get(model_type)
+    return tower.text_model_type if tower else model_type
+
+
 def awq_refusal(model_type: str) -> str | None:
     """Why AWQ refuses ``model_type``, or None."""
+    model_type = calibrated_model_type(model_type)
     return None if model_type in AWQ_ARCHS else NOT_SUPPORTED.get(model_type, "no AWQ table entry")
 
 
@@ -144,6 +153,6 @@ def dense_layers_refusal(arch: AWQArch, config: dict) -> str | None:
 
 def awq_arch_for(model_type: str) -> AWQArch:
     if (why := awq_refusal(model_type)) is None:
-        return AWQ_ARCHS[model_type]
+        return AWQ_ARCHS[calibrated_model_type(model_type)]
     raise UserError(f"AWQ does not support architecture {model_type!r} ({why})",
                     f"supported: {', '.join(sorted(AWQ_ARCHS))}; use --target vllm or gguf for this base")

@@ -7,11 +7,14 @@ import json
 import logging
 import re
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from ..arch import arch_for
+from ..checkpoint import Checkpoint
 from ..cpu import w4a16_cpu_problem
 from ..errors import UserError
 from ..experts import expert_tensor
@@ -21,7 +24,8 @@ from ..export_vllm import LAUNCH_SH, check_for_vllm, launch_args, write_launch, 
 from ..io import ShardedSafetensorsWriter, atomic_dir
 from ..load_check import check_adapter_dirs, check_hf_dir
 from ..manifest import input_entries, write_manifest
-from ..merge import CONFIG_DTYPE_NAMES, MergePlan, merge_one, plan_merge
+from ..merge import CONFIG_DTYPE_NAMES, MergePlan, WeightedAdapter, merge_one, plan_merge
+from ..multimodal import vllm_name
 from ..options import ExportOptions, ExportResult, model_name
 from ..tensors import TensorMeta
 from ..vllm_rules import float16_refusal, round_lora_rank
@@ -136,21 +140,80 @@ def load_tokenizer(plan: MergePlan):
                             "add the base's tokenizer files (tokenizer.json / tokenizer.model) to it") from None
 
 
+@dataclass
+class Towers:
+    """What AWQ quantizes and what it writes: a text model's checkpoint as is, or a multimodal checkpoint's text
+    model (calibrated and quantized as that architecture, written under the whole checkpoint's names) plus the
+    rest (the vision tower, adapters on it merged, kept 16-bit)."""
+
+    text: Checkpoint
+    text_adapters: list[WeightedAdapter]
+    rest: MergePlan | None = None  # the whole checkpoint's plan, for the tensors outside the text model
+    name: Callable[[str], str] = lambda n: n  # a text-model name as the output writes it
+    keep_16bit: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, whole: Checkpoint, adapters: list[WeightedAdapter], separate: bool) -> Towers:
+        from ..multimodal import TEXT_TOWERS, split_towers, text_tower_view, whole_checkpoint_namer
+
+        if whole.model_type not in TEXT_TOWERS:
+            return cls(whole, adapters)
+        if separate:
+            raise UserError(f"--target awq --adapters separate on a multimodal {whole.model_type} checkpoint is not "
+                            "written yet", "use --adapters merge (the adapters on either tower are merged)")
+        parts = [(split_towers(w.adapter, whole.model_type), w.weight) for w in adapters]
+        text = text_tower_view(whole)
+        text.notes = list(getattr(whole, "notes", []))  # the vision tower is kept
+        rest = plan_merge(whole, [WeightedAdapter(v, weight) for (_, v), weight in parts if v is not None])
+        return cls(text, [WeightedAdapter(t, weight) for (t, _), weight in parts if t is not None], rest,
+                   whole_checkpoint_namer(whole), list(TEXT_TOWERS[whole.model_type].keep_16bit))
+
+    def rest_specs(self, dtype: torch.dtype) -> list[TensorMeta]:
+        return [TensorMeta(vllm_name(self.rest.base.model_type, s.name),
+                           dtype if s.dtype.is_floating_point else s.dtype, s.shape)
+                for s in self._rest()] if self.rest else []
+
+    def rest_tensors(self):
+        for s in self._rest() if self.rest else []:
+            yield replace(s, name=vllm_name(self.rest.base.model_type, s.name)), merge_one(self.rest, s)
+
+    def _rest(self) -> list[TensorMeta]:
+        from ..multimodal import is_vision
+
+        return [s for s in self.rest.specs if is_vision(self.rest.base.model_type, s.name)]
+
+    def config(self, text_config: dict) -> dict:
+        """The output's config.json before quantization keys: the text model's, or the whole model's with it."""
+        if self.rest is None:
+            return text_config
+        whole = dict(self.rest.config)
+        whole["text_config"] = {**whole.get("text_config", {}), **{
+            k: v for k, v in text_config.items() if k in self.text.config and self.text.config[k] != v}}
+        return whole
+
+
+def calibrated_checkpoint(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint AWQ calibrates and quantizes for ``ckpt``: itself, or a multimodal one's text model."""
+    return Towers.of(ckpt, [], separate=False).text
+
+
 def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
     """Quantize (merged) weights block by block and write the HF directory, adapters and launch files."""
-    ckpt, loaded = open_inputs(opts, "awq")
-    arch = awq_arch_for(arch_for(ckpt.model_type).model_type)
-    if why := dense_layers_refusal(arch, ckpt.config):
-        raise UserError(f"AWQ cannot calibrate this model: {why}", "use --target vllm or gguf for this base")
+    whole, loaded = open_inputs(opts, "awq")
+    arch = awq_arch_for(arch_for(whole.model_type).model_type)
     fmt = format_for(opts.quant_format or DEFAULT_FORMAT)
     separate = opts.adapter_mode == "separate"
     if separate and not loaded:
         raise UserError("--adapters separate needs at least one --adapter", "pass --adapter NAME=PATH")
     if not separate and opts.max_lora_rank is not None:
         raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
-    plan = plan_merge(ckpt, [] if separate else loaded)
-    results = check_for_vllm(ckpt, loaded, opts.max_lora_rank) if separate else []
-    dtype = output_dtype(opts.dtype, fmt, plan.matrix_dtype, arch_for(ckpt.model_type).model_type)
+    towers = Towers.of(whole, [] if separate else loaded, separate)
+    ckpt = towers.text
+    if why := dense_layers_refusal(arch, ckpt.config):
+        raise UserError(f"AWQ cannot calibrate this model: {why}", "use --target vllm or gguf for this base")
+    plan = plan_merge(ckpt, towers.text_adapters)
+    results = check_for_vllm(whole, loaded, opts.max_lora_rank) if separate else []
+    dtype = output_dtype(opts.dtype, fmt, plan.matrix_dtype, arch_for(whole.model_type).model_type)
     scheme = QuantScheme(4, opts.group_size or 128, opts.symmetric, scale_dtype=dtype)
     layer_prefix = ckpt.arch.layer_prefix
     n_layers = int(plan.config["num_hidden_layers"])
@@ -168,7 +231,8 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
                      f"{scheme.group_size} (e.g. {unfit[0]})")
     calib = load_calibration(load_tokenizer(plan), opts.calib, opts.calib_samples, opts.calib_seqlen,
                              plan.config.get("max_position_embeddings"))
-    specs = output_specs(plan, quantized, fmt, scheme, dtype)
+    specs = [replace(s, name=towers.name(s.name)) for s in output_specs(plan, quantized, fmt, scheme, dtype)]
+    specs += towers.rest_specs(dtype)
     plan_specs = {s.name: s for s in plan.specs}
     total = sum(s.nbytes for s in specs)
     done = 0
@@ -179,7 +243,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         try:
             def put(name: str, t: torch.Tensor) -> None:
                 nonlocal done
-                writer.write(name, t)
+                writer.write(towers.name(name), t)
                 done += t.numel() * t.element_size()
                 if progress:
                     progress(done, total, name)
@@ -188,6 +252,9 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
                 if not s.name.startswith(f"{layer_prefix}."):
                     t = merge_one(plan, s)
                     put(s.name, t.to(dtype) if t.is_floating_point() else t)
+            for s, t in towers.rest_tensors():  # a multimodal model's vision tower: 16-bit, adapters merged
+                writer.write(s.name, t.to(dtype) if t.is_floating_point() else t)
+                done += t.numel() * t.element_size()
             bp = BlockPass(plan, arch, calib.ids, hooked_modules(arch))
             for block in bp.blocks():
                 res = quantize_block(block, arch, scheme, fmt, quantized, dtype)
@@ -211,13 +278,14 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         routers = [f"{layer_prefix}.{i}.{layout.disk_block}.{layout.router}" for i in range(n_layers)] if layout else []
         ignore_names = (["lm_head", *routers, *kept] if fmt.name == "compressed-tensors"
                         else [*routers, *kept, *fused_names(kept)])
-        config = {**plan.config, "torch_dtype": CONFIG_DTYPE_NAMES[dtype],
+        ignore_names = [towers.name(n) if n != "lm_head" else n for n in ignore_names] + towers.keep_16bit
+        config = {**towers.config(plan.config), "torch_dtype": CONFIG_DTYPE_NAMES[dtype],
                   "quantization_config": fmt.config(scheme, ignore_names)}
         if "dtype" in plan.base.config:
             config["dtype"] = CONFIG_DTYPE_NAMES[dtype]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_side_files(plan, tmp)
-        served = model_name(ckpt.spec)
+        served = model_name(whole.spec)
         vllm_dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
         adapters: dict[str, str] = {}
         fixes: dict[str, list[str]] = {}
@@ -245,7 +313,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
             options["max_lora_rank"] = max_rank
         load_check = {"model": check_hf_dir(tmp, tensors=False),
                       "adapters": check_adapter_dirs(tmp, [tmp / p for p in adapters.values()])}
-        manifest = write_manifest(tmp, "awq", input_entries(ckpt, loaded), options,
+        manifest = write_manifest(tmp, "awq", input_entries(whole, loaded), options,
                                   known_hashes={tmp / p.name: h for p, h in hashes.items()},
                                   extra={**details, "layers": groups, "fixes": fixes, "load_check": load_check})
     return ExportResult(opts.out, "awq", manifest, notes=[*notes, f"serve it with: {opts.out / LAUNCH_SH}"],

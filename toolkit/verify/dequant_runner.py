@@ -67,6 +67,18 @@ def dequantized_state(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+def memory_names(model_type: str | None, model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a checkpoint's names) under ``model``'s module names: a multimodal checkpoint stores its
+    towers under other prefixes (convert.multimodal); names that match neither stay as they are."""
+    from tuneport.convert.multimodal import disk_names
+
+    memory = list(model.state_dict())
+    on_disk = list(disk_names(model_type, dict.fromkeys(memory, ()), set(state)))
+    renamed = {m: state[d] for m, d in zip(memory, on_disk, strict=True) if d in state}
+    used = {d for d in on_disk if d in state}
+    return {**renamed, **{k: t for k, t in state.items() if k not in used}}
+
+
 class DequantizedRunner(VllmRunner):
     engine = "transformers (4-bit weights dequantized by tuneport)"
     exact_logits = True
@@ -79,7 +91,7 @@ class DequantizedRunner(VllmRunner):
         state = fuse_to_memory(known_arch(cfg.get("model_type")), state)  # experts as transformers 5 holds them
         config = AutoConfig.for_model(**cfg)
         model_ = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = model_.load_state_dict(state, strict=False)
+        missing, unexpected = model_.load_state_dict(memory_names(cfg.get("model_type"), model_, state), strict=False)
         if unexpected or [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]:
             raise UserError(f"{self.model_dir} does not match its config ({(unexpected or missing)[:3]})",
                             "re-export the 4-bit model")
