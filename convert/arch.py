@@ -140,7 +140,7 @@ ARCHS: dict[str, ArchSpec] = {
         rope_style="normal",
         notes=("every 4th layer without RoPE (no_rope_layers)",),
     ),
-    # Gemma 3 4B-27B as a whole (text and vision), for the targets that keep the checkpoint as it is (merge, vLLM);
+    # Gemma 3 4B-27B as a whole (text and vision), for the targets that keep the whole checkpoint (merge, vLLM, AWQ);
     # text-only targets export its text model (convert/multimodal.py). Names: the hub's layout.
     "gemma3": ArchSpec(
         "gemma3",
@@ -151,8 +151,8 @@ ARCHS: dict[str, ArchSpec] = {
         lm_head="language_model.lm_head",
         final_norm="language_model.model.norm",
         layer_prefix="language_model.model.layers",
-        notes=("multimodal: merge and vLLM keep the vision tower (an adapter on it merged too; vLLM serves LoRA on "
-               "the language model); GGUF and MLX export the text model",),
+        notes=("multimodal: merge, vLLM and AWQ keep the vision tower (an adapter on it merged too; vLLM serves LoRA "
+               "on the language model; AWQ quantizes the language model only); GGUF and MLX export the text model",),
     ),
     "mixtral": ArchSpec(
         "mixtral",
