@@ -175,6 +175,17 @@ def whole_checkpoint_namer(ckpt: Checkpoint):
     return name
 
 
+def checkpoint_aliases(name: str) -> list[str]:
+    """Other names a multimodal checkpoint may store module or tensor ``name`` (transformers 5's) under."""
+    out = []
+    for tower in TEXT_TOWERS.values():
+        for old, new in tower.checkpoint_renames:
+            if name.startswith(old):
+                out.append(_hub_tower_name(tower, new + name[len(old):]))
+                break
+    return out
+
+
 def is_vision(model_type: str, name: str) -> bool:
     """Whether the whole checkpoint's tensor ``name`` is outside the text model."""
     return _rename(TEXT_TOWERS[model_type], name) is None

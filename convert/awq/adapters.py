@@ -53,10 +53,13 @@ def scales_digest(model_dir: Path) -> str | None:
 
 
 def rescale_adapter(adapter: Adapter, scales: dict[str, dict[str, torch.Tensor]]) -> Adapter:
-    """The adapter as it must be applied inside the AWQ model (exact; same rank and names)."""
+    """The adapter as it must be applied inside the AWQ model (exact; same rank and names). A multimodal
+    checkpoint's scales are under its own names, the adapter's modules under transformers 5's: both match."""
+    from ..multimodal import checkpoint_aliases
+
     modules = {}
     for target, mod in adapter.modules.items():
-        s = scales.get(mod.module)
+        s = next((scales[n] for n in (mod.module, *checkpoint_aliases(mod.module)) if n in scales), None)
         if not s:
             modules[target] = mod
             continue

@@ -153,14 +153,12 @@ class Towers:
     keep_16bit: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, whole: Checkpoint, adapters: list[WeightedAdapter], separate: bool) -> Towers:
+    def of(cls, whole: Checkpoint, adapters: list[WeightedAdapter]) -> Towers:
+        """``adapters``: those merged before quantizing (none with --adapters separate)."""
         from ..multimodal import TEXT_TOWERS, split_towers, text_tower_view, whole_checkpoint_namer
 
         if whole.model_type not in TEXT_TOWERS:
             return cls(whole, adapters)
-        if separate:
-            raise UserError(f"--target awq --adapters separate on a multimodal {whole.model_type} checkpoint is not "
-                            "written yet", "use --adapters merge (the adapters on either tower are merged)")
         parts = [(split_towers(w.adapter, whole.model_type), w.weight) for w in adapters]
         text = text_tower_view(whole)
         text.notes = list(getattr(whole, "notes", []))  # the vision tower is kept
@@ -194,7 +192,7 @@ class Towers:
 
 def calibrated_checkpoint(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint AWQ calibrates and quantizes for ``ckpt``: itself, or a multimodal one's text model."""
-    return Towers.of(ckpt, [], separate=False).text
+    return Towers.of(ckpt, []).text
 
 
 def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
@@ -207,7 +205,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         raise UserError("--adapters separate needs at least one --adapter", "pass --adapter NAME=PATH")
     if not separate and opts.max_lora_rank is not None:
         raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
-    towers = Towers.of(whole, [] if separate else loaded, separate)
+    towers = Towers.of(whole, [] if separate else loaded)
     ckpt = towers.text
     if why := dense_layers_refusal(arch, ckpt.config):
         raise UserError(f"AWQ cannot calibrate this model: {why}", "use --target vllm or gguf for this base")
@@ -271,7 +269,9 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         finally:
             writer.stop()
         hashes = writer.sha256()
-        if scales:  # what adapters trained on the 16-bit base need to be rewritten with (convert.awq.adapters)
+        # what adapters trained on the 16-bit base need to be rewritten with (convert.awq.adapters), by output name
+        scales = {towers.name(f"{m}.weight").removesuffix(".weight"): v for m, v in scales.items()}
+        if scales:
             write_scales(tmp / SCALES_FILE, scales)
         kept = [*ignored, *unfit]
         layout = ckpt.arch.experts
