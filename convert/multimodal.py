@@ -214,9 +214,8 @@ def split_towers(adapter: Adapter, model_type: str) -> tuple[Adapter | None, Ada
 
 def vision_parts(adapter: Adapter, model_type: str) -> list[str]:
     """The modules and saved tensors of ``adapter`` outside a multimodal model's text model."""
-    tower = TEXT_TOWERS[model_type]
-    vision = sorted(m.module for m in adapter.modules.values() if _rename(tower, m.target) is None)
-    return vision + sorted(n for n in adapter.replacements if _rename(tower, n) is None)
+    _, rest = split_towers(adapter, model_type)
+    return sorted(m.module for m in rest.modules.values()) + sorted(rest.replacements) if rest else []
 
 
 def text_tower_adapter(adapter: Adapter, model_type: str, target: str) -> Adapter:

@@ -399,6 +399,17 @@ def llama_tools() -> Path:
     return write_once(fixture_cache() / LLAMA_TOOLS, build)
 
 
+def llama_imatrix(tools: Path, f32: Path, text_file: Path, out: Path, seqlen: int, n_chunks: int) -> IMatrix:
+    """llama.cpp's own llama-imatrix over ``text_file`` on the F32 GGUF: chunks of ``seqlen`` tokens, the output
+    weight included, F32 KV cache, read back."""
+    cmd = [str(tools / "llama-imatrix"), "-m", str(f32), "-f", str(text_file), "-o", str(out),
+           "-c", str(seqlen), "-b", str(seqlen), "-ub", str(seqlen), "--chunks", str(n_chunks), "--process-output",
+           "--no-ppl", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return read_imatrix(out)
+
+
 @pytest.mark.slow
 @pytest.mark.llamacpp
 def test_agrees_with_llama_imatrix(trained, llama_tools, tmp_path, capsys):
@@ -432,13 +443,7 @@ def test_agrees_with_llama_imatrix(trained, llama_tools, tmp_path, capsys):
     plan, arch = plan_for(trained)
     ours = compute_imatrix(plan, arch, torch.tensor(chunks), dataset=str(text_file))
 
-    theirs_file = tmp_path / "llama-imatrix.gguf"
-    cmd = [str(llama_tools / "llama-imatrix"), "-m", str(f32), "-f", str(text_file), "-o", str(theirs_file),
-           "-c", str(SEQLEN), "-b", str(SEQLEN), "-ub", str(SEQLEN), "--chunks", str(n_chunks), "--process-output",
-           "--no-ppl", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    theirs = read_imatrix(theirs_file)
+    theirs = llama_imatrix(llama_tools, f32, text_file, tmp_path / "llama-imatrix.gguf", SEQLEN, n_chunks)
     assert theirs.names == ours.names
     assert theirs.counts == ours.counts
     assert (theirs.chunk_count, theirs.chunk_size) == (n_chunks, SEQLEN)
@@ -508,13 +513,7 @@ def test_mixture_of_experts_agrees_with_llama_imatrix(zoo, llama_tools, tmp_path
         chunks = [[bos, *c[1:]] for c in chunks]
     plan, spec = plan_for(base)
     ours = compute_imatrix(plan, spec, torch.tensor(chunks), dataset=str(text_file))
-    theirs_file = tmp_path / "llama-imatrix.gguf"
-    cmd = [str(llama_tools / "llama-imatrix"), "-m", str(f32), "-f", str(text_file), "-o", str(theirs_file),
-           "-c", str(seqlen), "-b", str(seqlen), "-ub", str(seqlen), "--chunks", str(n_chunks), "--process-output",
-           "--no-ppl", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    theirs = read_imatrix(theirs_file)
+    theirs = llama_imatrix(llama_tools, f32, text_file, tmp_path / "llama-imatrix.gguf", seqlen, n_chunks)
     assert theirs.names == ours.names
     assert theirs.counts == ours.counts  # the same routing: every expert saw the same number of tokens
     experts = [n for n in ours.names if "_exps." in n]
