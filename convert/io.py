@@ -416,6 +416,12 @@ def write_tensors(directory: Path, specs: list[TensorMeta], sources: list[Tensor
     return writer.sha256()
 
 
+def config_digest(model_dir: Path) -> str:
+    """A short sha256 of a model's config.json: part of the cache key of anything converted for that base
+    (two bases may share their weight files and compute differently)."""
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:12]
+
+
 def content_digest(directory: Path) -> str:
     """A short sha256 of a directory's files (names and bytes): the cache key of a converted adapter."""
     h = hashlib.sha256()

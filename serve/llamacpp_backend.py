@@ -8,7 +8,6 @@ LoRA files or PEFT directories (converted on load for an HF base, cached by cont
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tuneport.convert.export import adapter_for, cached_export, check_base
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
-from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.io import cache_dir, config_digest, content_digest, write_once
 from tuneport.convert.options import model_name
 
 from .engines.base import Event, GenerationRequest
@@ -93,8 +92,7 @@ class LlamaCppBackend(InProcessBackend):
                             "start with --base HF_DIR, or export GGUF LoRAs with tuneport export --target gguf",
                             status=422)
         # keyed by the base's config too: the GGUF LoRA carries its architecture and is planned from its config
-        base_key = hashlib.sha256((Path(self.hf_base) / "config.json").read_bytes()).hexdigest()[:12]
-        out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}-{base_key}.gguf"
+        out = cache_dir() / "loras" / f"{content_digest(adapter_dir)}-{config_digest(self.hf_base)}.gguf"
         if not out.exists():
             try:
                 full = Checkpoint(self.hf_base)  # its own reader: conversions run in parallel threads

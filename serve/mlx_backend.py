@@ -9,7 +9,6 @@ mlx-lm adapter directories (``adapters.safetensors`` + ``adapter_config.json``) 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from tuneport.convert.adapter import load_adapter
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import adapter_for, cached_export, check_base
-from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.io import cache_dir, config_digest, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.mlx import ADAPTER_WEIGHTS, DEFAULT_SCALE
 from tuneport.convert.mlx.read import is_mlx_adapter, mlx_adapter_modules, mlx_model_info, read_mlx_adapter
@@ -88,8 +87,7 @@ class MlxBackend(InProcessBackend):
         from tuneport.convert.mlx.adapters import mlx_adapter, write_mlx_adapter
 
         base_dir = self.hf_base or self.model_dir
-        base_key = hashlib.sha256((base_dir / "config.json").read_bytes()).hexdigest()[:12]
-        out = cache_dir() / "mlx-adapters" / f"{content_digest(adapter_dir)}-{base_key}"
+        out = cache_dir() / "mlx-adapters" / f"{content_digest(adapter_dir)}-{config_digest(base_dir)}"
         if out.exists():
             return out
         try:
