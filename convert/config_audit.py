@@ -1,16 +1,21 @@
-"""The model-config audit: every ``config.json`` key that changes the computation is, per target, carried into
-the artifact, folded into the weights, or refused with the reason — and a key the table does not know, at a
-value other than transformers' default for that architecture, is refused rather than silently ignored.
+"""The model-config audit: every ``config.json`` key that changes what transformers' model computes is, per
+target, carried into the artifact, folded into the weights, or refused with the reason. A key no rule names
+counts only if transformers' model reads it (``config_reads``, derived from the installed transformers): a key
+it never reads (``unsloth_version``) is inert, one at the value transformers derives anyway (``head_dim`` =
+hidden / heads) is redundant, and one that changes the computation is refused, naming what differs, unless the
+user accepts it (``--accept-config-key``, recorded as an accepted risk).
 
 A target keeps its rules as data (``KeyRule`` per key, see ``convert/gguf/config_keys.py``); ``audit`` applies
-them to one config and returns the notes for the manifest.
+them to one config and returns what it found, for the manifest's notes.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import UserError
@@ -18,17 +23,42 @@ from .errors import UserError
 Check = Callable[[Any, dict], "str | None"]  # (value, whole config) -> why this value cannot be honoured
 How = Literal["carried", "folded", "capped", "refused unless", "inert"]
 
-# Keys that never change what a causal LM computes at inference (bookkeeping, dropouts, token ids the
-# tokenizer carries, training-only settings).
-INERT_KEYS = frozenset({
-    "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
-    "output_hidden_states", "output_attentions", "return_dict", "use_cache", "chunk_size_feed_forward",
-    "is_encoder_decoder", "id2label", "label2id", "problem_type", "initializer_range", "pad_token_id",
-    "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
-    "decoder_start_token_id", "cache_implementation", "attention_dropout", "resid_pdrop", "embd_pdrop",
-    "hidden_dropout", "tokenizer_class", "_attn_implementation_autoset", "max_length", "num_return_sequences",
-    "tie_encoder_decoder", "pruned_heads", "torchscript", "use_return_dict", "bad_words_ids",
-})
+# Keys transformers reads (or keeps) that never change what a causal LM computes at inference: bookkeeping,
+# loading and parallelism plumbing, the attention kernel, dropouts and other training-only settings, and token
+# ids the tokenizer carries. Each with the reason (docs/architectures.md lists them).
+INERT_KEYS: dict[str, str] = {
+    **dict.fromkeys(("architectures", "model_type", "transformers_version", "_name_or_path", "name_or_path",
+                     "auto_map", "tokenizer_class", "_attn_implementation_autoset",
+                     "_commit_hash"), "bookkeeping: which class and files the model came from"),
+    **dict.fromkeys(("dtype", "torch_dtype"), "the stored dtype: every target writes its own"),
+    **dict.fromkeys(("attn_implementation", "_attn_implementation", "_experts_implementation",
+                     "experts_implementation"), "which kernel computes attention (or the experts): the same "
+                                                "math; tuneport's reference picks its own"),
+    **dict.fromkeys(("output_hidden_states", "output_attentions", "return_dict", "use_return_dict", "use_cache",
+                     "is_encoder_decoder", "chunk_size_feed_forward", "torchscript", "pruned_heads",
+                     "tie_encoder_decoder", "cache_implementation", "max_length", "num_return_sequences",
+                     "bad_words_ids", "base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan",
+                     "base_model_fsdp_plan", "gradient_checkpointing"),
+                    "what a forward call returns, caching and parallelism plans: not the logits"),
+    **dict.fromkeys(("id2label", "label2id", "problem_type"), "classification heads only"),
+    **dict.fromkeys(("initializer_range", "attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout",
+                     "mlp_dropout", "dropout"), "training only (weight initialization, dropout)"),
+    **dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id",
+                     "cls_token_id", "mask_token_id", "decoder_start_token_id"),
+                    "token ids: the tokenizer and generation config carry them"),
+}
+ACCEPTED: ContextVar[frozenset[str]] = ContextVar("accepted_config_keys", default=frozenset())
+
+
+@contextmanager
+def accepting(keys) -> Iterator[None]:
+    """``--accept-config-key``: within this block the audit records these keys as accepted risks instead of
+    refusing them."""
+    token = ACCEPTED.set(frozenset(keys or ()))
+    try:
+        yield
+    finally:
+        ACCEPTED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -79,34 +109,79 @@ def effective_config(cfg: dict) -> dict:
     return {**cfg, **{k: v for k, v in defaults.items() if k not in cfg and k not in INERT_KEYS}}
 
 
-def audit(cfg: dict, rules: Mapping[str, KeyRule], target: str) -> list[AuditFinding]:
-    """Apply ``rules`` to every key of ``cfg`` (with transformers' defaults for the keys it leaves out): a
-    UserError for the first value the target cannot honour (or an unknown key at a non-default value); else what
-    was found, key by key."""
+@dataclass
+class AuditResult:
+    """What the audit found in one config, for the manifest's notes."""
+
+    findings: list[AuditFinding] = field(default_factory=list)
+    inert: list[str] = field(default_factory=list)  # keys transformers' model does not read
+    redundant: list[str] = field(default_factory=list)  # read, at the value transformers derives without them
+    accepted: list[str] = field(default_factory=list)  # --accept-config-key: what would have been refused
+
+    def notes(self, model_type: str) -> list[str]:
+        notes = []
+        if self.inert:
+            notes.append(f"config keys transformers' {model_type} model does not read (inert): "
+                         f"{', '.join(self.inert)}")
+        if self.redundant:
+            notes.append(f"config keys at the value transformers derives without them: {', '.join(self.redundant)}")
+        notes += [f"accepted risk (--accept-config-key): {a}" for a in self.accepted]
+        return notes
+
+
+def audit(cfg: dict, rules: Mapping[str, KeyRule], target: str, *,
+          unhandled: str = "tuneport's rules for this target do not say how the engine honours it") -> AuditResult:
+    """Apply ``rules`` to every key of ``cfg`` (a ``config.json`` as read; the keys it leaves out at transformers'
+    defaults). A key without a rule counts only if transformers' model reads it (``config_reads.judge_config``):
+    inert and redundant keys are noted; one that changes what the model computes is refused (UserError naming
+    what differs), like a value a rule refuses, unless ``accepting`` names it."""
+    from .config_reads import judge_config
+
     model_type = str(cfg.get("model_type"))
-    cfg = effective_config(cfg)
-    found = []
-    for key, value in cfg.items():
+    effective = effective_config(cfg)
+    accepted = ACCEPTED.get()
+    result = AuditResult()
+
+    def refuse(key: str, message: str, hint: str) -> None:
+        if key in accepted:
+            result.accepted.append(f"{key} = {_short(effective[key])}: {message}")
+            return
+        raise UserError(message, f"{hint}; or pass --accept-config-key {key} to export anyway (recorded as an "
+                                 "accepted risk)")
+
+    judged = None
+    for key, value in effective.items():
         if key in INERT_KEYS:
             continue
         rule = rules.get(key)
-        if rule is None:
-            default = class_default(model_type, key)
-            if default is not _MISSING and _same(value, default):
-                found.append(AuditFinding(key, value, None))
+        if rule is not None:
+            if rule.how == "inert":
                 continue
-            raise UserError(
-                f"config key {key!r} = {_short(value)} of this {model_type} model is not in tuneport's audit for "
-                f"--target {target} (transformers' default: {_short(default)}), so tuneport cannot tell "
-                "whether the engine computes the same",
-                "export for a target that copies config.json (--target vllm), or report the key")
-        if rule.how == "inert":
+            if rule.check is not None and (why := rule.check(value, effective)) is not None:
+                refuse(key, f"{model_type} config {key} = {_short(value)} cannot be exported for --target "
+                       f"{target}: {why}", "export for a target that copies config.json (--target vllm)")
+            result.findings.append(AuditFinding(key, value, rule))
             continue
-        if rule.check is not None and (why := rule.check(value, cfg)) is not None:
-            raise UserError(f"{model_type} config {key} = {_short(value)} cannot be exported for --target {target}: "
-                            f"{why}", "export for a target that copies config.json (--target vllm)")
-        found.append(AuditFinding(key, value, rule))
-    return found
+        default = class_default(model_type, key)
+        if key not in cfg or (default is not _MISSING and _same(value, default)):
+            result.findings.append(AuditFinding(key, value, None))  # what transformers computes with anyway
+            continue
+        judged = judged or judge_config(cfg)
+        verdict = judged.verdicts.get(key)
+        if verdict is not None and verdict.kind == "inert":
+            result.inert.append(key)
+        elif verdict is not None and verdict.kind == "redundant":
+            result.redundant.append(key)
+        elif verdict is not None:
+            refuse(key, f"config key {key!r} = {_short(value)} changes what transformers' {model_type} model "
+                   f"computes ({verdict.describe_difference()}), and {unhandled}",
+                   "export for a target that copies config.json (--target vllm), or report the key")
+        else:
+            refuse(key, f"config key {key!r} = {_short(value)} of this {model_type} model is not in tuneport's "
+                   f"audit for --target {target} (transformers' default: {_short(default)}), and transformers "
+                   "builds no model from this config to tell whether it reads it",
+                   "export for a target that copies config.json (--target vllm), or report the key")
+    return result
 
 
 def _same(a: Any, b: Any) -> bool:

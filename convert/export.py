@@ -42,6 +42,7 @@ TARGET_OPTIONS: dict[str, tuple[str, object]] = {
     "codebook": ("--codebook", None),
     "work_dir": ("--work-dir", None),
     "dry_run": ("--dry-run", False),
+    "accept_config_keys": ("--accept-config-key", []),
 }
 
 
@@ -121,7 +122,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            ("merge", "separate"), ("dtype", "max_lora_rank"), "export_vllm:export_vllm",
            checks=(unquantized, known_architecture)),
     Target("gguf", "llama.cpp / Ollama: a model per --quant type, GGUF LoRAs with --adapters separate, Modelfiles",
-           ("merge", "separate"), ("quant", "bpe_pre", "name", "calib", "calib_samples", "calib_seqlen"),
+           ("merge", "separate"), ("quant", "bpe_pre", "name", "calib", "calib_samples", "calib_seqlen",
+                                   "accept_config_keys"),
            "gguf.export:export_gguf",
            checks=(unquantized, gguf_architecture),
            instead=(("dtype", "choose the GGUF type with --quant (f32, bf16, f16, q8_0, ...)"),)),
@@ -130,7 +132,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            ("dtype", "max_lora_rank", "quant_format", "group_size", "symmetric", "ignore", "calib", "calib_samples",
             "calib_seqlen"), "awq.export:export_awq", checks=(unquantized, awq_architecture)),
     Target("mlx", "MLX LM (Apple Silicon; mlx[cpu] on Linux): merged or base + mlx-lm adapters, --quant as "
-           "mlx-lm's own quantizer", ("merge", "separate"), ("dtype", "quant", "group_size"), "mlx.export:export_mlx",
+           "mlx-lm's own quantizer", ("merge", "separate"), ("dtype", "quant", "group_size", "accept_config_keys"),
+           "mlx.export:export_mlx",
            checks=(unquantized, mlx_architecture)),
     Target("exl3", "ExLlamaV3 / TabbyAPI (CUDA): adapters merged, converted by exllamav3's converter, every layer "
            "decoded and checked by tuneport", ("merge",), ("dtype", "bits", "head_bits", "codebook", "work_dir",
@@ -240,13 +243,16 @@ def export(options: ExportOptions | None = None, /, *, progress: Progress | None
     Pass an :class:`ExportOptions` or its fields as keywords (``base``, ``target``, ``out``, ``adapters``,
     ``adapter_mode``, ``quant``, ``dtype``, ``max_lora_rank``, ``bpe_pre``, ``name``, ``quant_format``,
     ``group_size``, ``symmetric``, ``ignore``, ``calib``, ``calib_samples``, ``calib_seqlen``, ``bits``,
-    ``head_bits``, ``codebook``, ``work_dir``, ``dry_run``, ``force``, ``allow_pickle``);
+    ``head_bits``, ``codebook``, ``work_dir``, ``dry_run``, ``accept_config_keys``, ``force``, ``allow_pickle``);
     ``progress(done_bytes, total_bytes, item)`` is called as the output is written.
     """
+    from .config_audit import accepting
+
     opts = coerce_options(ExportOptions, options, fields)
     module, func = target_for(opts.target).writer.split(":")
     writer = getattr(importlib.import_module(f"{__package__}.{module}"), func)
-    return writer(opts, progress)
+    with accepting(opts.accept_config_keys):
+        return writer(opts, progress)
 
 
 def cached_export(base: Path, target: str, **fields) -> Path:

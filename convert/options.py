@@ -116,6 +116,7 @@ class ExportOptions(MergeOptions):
     codebook: str | None = None  # exl3: mul1 (default), mcg or 3inst
     work_dir: Path | None = None  # exl3: the merged input and the converter's resumable job
     dry_run: bool = False  # exl3: print the plan and the converter command, write nothing
+    accept_config_keys: list[str] = field(default_factory=list)  # gguf, mlx: audit refusals to proceed past
 
     def __post_init__(self) -> None:
         from .export import check_target_options
@@ -124,6 +125,7 @@ class ExportOptions(MergeOptions):
         self.calib = Path(self.calib).expanduser() if self.calib is not None else None
         self.work_dir = Path(self.work_dir).expanduser() if self.work_dir is not None else None
         self.ignore = list(self.ignore or [])
+        self.accept_config_keys = list(self.accept_config_keys or [])
         check_choice("--adapters", self.adapter_mode, ADAPTER_MODES)
         check_target_options(self)
 

@@ -105,7 +105,10 @@ CASES = [
     # a key the file leaves out is what transformers' default makes it, not what the engine assumes
     Case("qwen3_moe", "norm_topk_prob absent", {}, "refused: renormalizes", config_patch={"norm_topk_prob": None}),
     Case("gemma3_text", "query_pre_attn_scalar absent", {}, "parity", config_patch={"query_pre_attn_scalar": None}),
-    Case("llama", "unknown key", {}, "refused: not in tuneport's audit", config_patch={"attn_temperature": 0.5}),
+    # a key no rule names: inert when transformers does not read it, refused when what it reads changes
+    Case("llama", "unknown key", {}, "parity", config_patch={"attn_temperature": 0.5, "unsloth_version": "2026.4.2"}),
+    Case("llama", "read key without a rule", {}, "refused: (attention_chunk_size 2 (without the key: none)), and "
+         "tuneport's GGUF writer does not carry it", config_patch={"attention_chunk_size": 2}),
 ]
 # Rules that need no case: shapes and context length (every parity test carries them), and inert keys.
 UNTESTED_HOW = {"inert"}

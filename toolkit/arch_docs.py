@@ -41,17 +41,49 @@ def render() -> str:
     lines += [f"- **{t.title}**: {t.engine}; " + ", ".join(f"`{x}`" for x in t.tests) for t in TARGETS]
     lines += ["", "Notes per architecture:", ""]
     lines += [f"- `{m}`: " + "; ".join(spec.notes) for m, spec in ARCHS.items() if spec.notes]
+    lines += _reads()
     lines += ["", "## Config audit for `--target gguf`", "",
               "Each key of `config.json` that changes the computation is carried into the GGUF, folded into the",
-              "weights, capped, or refused unless it has the value llama.cpp computes; any other key at a value",
-              "other than transformers' default is refused. HF-layout targets (merge, vLLM, AWQ, EXL3) copy",
-              "`config.json`, so the engine reads every key itself.", ""]
+              "weights, capped, or refused unless it has the value llama.cpp computes. A key no table names is",
+              "judged by what transformers reads (above): inert or redundant keys pass (noted in the manifest),",
+              "one that changes what the model computes is refused unless `--accept-config-key KEY` is given.",
+              "HF-layout targets (merge, vLLM, AWQ, EXL3) copy `config.json`, so the engine reads every key itself.",
+              ""]
     for model_type, rules in GGUF_CONFIG_RULES.items():
         lines += [f"### `{model_type}`", "", "| key | how | what |", "|---|---|---|"]
         lines += [f"| `{k}` | {r.how} | {r.what} |" for k, r in rules.items()]
         lines.append("")
     lines += _mlx_audit()
     return "\n".join(lines)
+
+
+def _reads() -> list[str]:
+    """What transformers' model reads per architecture (derived: convert/config_reads.py), and the keys it reads
+    that never change inference."""
+    from tuneport.convert.config_audit import INERT_KEYS
+    from tuneport.convert.config_reads import read_set, transformers_version
+
+    lines = ["", f"## What transformers {transformers_version()} reads", "",
+             "Derived from the installed transformers (`convert/config_reads.py`): a tiny model of each architecture",
+             "built and run with its config's reads recorded, and the modeling source scanned. A key of a",
+             "`config.json` counts only if removing it changes one of these (directly, or through what the config",
+             "class derives from it); keys nothing reads are inert. Keys read but without effect at inference:", ""]
+    by_reason: dict[str, list[str]] = {}
+    for key, why in INERT_KEYS.items():
+        by_reason.setdefault(why, []).append(key)
+    lines += [f"- {why}: " + ", ".join(f"`{k}`" for k in keys) for why, keys in by_reason.items()]
+    lines += ["", "| model_type | keys its model reads (inference-inert ones left out) |", "|---|---|"]
+    probes: set[str] = set()
+    for model_type in GGUF_CONFIG_RULES:
+        reads = read_set(model_type)
+        if reads is not None:
+            own = reads.own_keys()
+            probes |= reads.attributes - own
+            shown = sorted(a for a in own if a not in INERT_KEYS)
+            lines.append(f"| `{model_type}` | " + ", ".join(f"`{a}`" for a in shown) + " |")
+    lines += ["", "Transformers' shared code also probes these (read when a config sets them): "
+              + ", ".join(f"`{a}`" for a in sorted(probes - set(INERT_KEYS)) if not a.startswith("_")) + "."]
+    return lines
 
 
 def _mlx_audit() -> list[str]:
@@ -62,18 +94,14 @@ def _mlx_audit() -> list[str]:
     lines = ["## Config audit for `--target mlx`", "",
              "mlx-lm builds a model from the fields of its `ModelArgs` and drops every other key. A field it reads",
              "is carried (a key the base's `config.json` leaves out is written at transformers' default, which is",
-             "what transformers computes with); a key transformers defines that mlx-lm does not read is refused",
-             "unless it has transformers' default; the keys in each table are handled as they say; any other key",
-             "at a non-default value is refused.", ""]
+             "what transformers computes with; a field transformers does not read is left out of the written",
+             "config); the keys in each table are handled as they say; a key transformers reads and mlx-lm does",
+             "not is refused at a value that changes what transformers computes.", ""]
     for model_type, march in MLX_ARCHS.items():
         rules, read = mlx_config_rules(model_type), mlx_read_fields(model_type)
-        default_only = sorted(k for k, r in rules.items() if k not in read and r.what.startswith("transformers'"))
-        special = {k: r for k, r in rules.items() if k not in read and k not in default_only}
+        special = {k: r for k, r in rules.items() if k not in read}
         lines += [f"### `{model_type}` (mlx-lm `{march.mlx_model}`)", "",
                   "Read by mlx-lm: " + ", ".join(f"`{k}`" for k in sorted(read)) + ".", ""]
-        if default_only:
-            lines += ["Refused unless at transformers' default: " + ", ".join(f"`{k}`" for k in default_only) + ".",
-                      ""]
         if special:
             lines += ["| key | how | what |", "|---|---|---|"]
             lines += [f"| `{k}` | {r.how} | {r.what} |" for k, r in special.items()]

@@ -36,8 +36,9 @@ def load_hf(path: Path | str, dtype: torch.dtype = torch.float32, vocab: int | N
     from tuneport.convert.arch import known_arch
 
     spec = known_arch(AutoConfig.from_pretrained(path).model_type)
-    extra = {"attn_implementation": spec.reference_attention} if spec and spec.reference_attention else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    # the reference's own kernel, whatever the config names (a fine-tune saved with flash_attention_2 loads on CPU)
+    attention = spec.reference_attention if spec and spec.reference_attention else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
     if vocab is not None and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab, mean_resizing=False)
     return model.eval()

@@ -221,9 +221,9 @@ def gguf_config_facts(model_type: str, cfg: dict) -> GGUFConfigFacts:
     rules = GGUF_CONFIG_RULES.get(model_type)
     if rules is None:
         return GGUFConfigFacts()
+    found = audit(cfg, rules, "gguf", unhandled="tuneport's GGUF writer does not carry it into llama.cpp")
     cfg = effective_config(cfg)
-    audit(cfg, rules, "gguf")
-    facts = GGUFConfigFacts()
+    facts = GGUFConfigFacts(notes=found.notes(model_type))
     if rules.get("sliding_window") is NO_SLIDING_GRAPH["sliding_window"] and _window_active(cfg):
         facts.context_length = int(cfg["sliding_window"])
         facts.notes.append(f"context_length {facts.context_length}: the model's sliding window, which llama.cpp "

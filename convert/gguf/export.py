@@ -148,5 +148,6 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
             "calib": str(opts.calib) if opts.calib else None, "calib_samples": opts.calib_samples,
-            "calib_seqlen": opts.calib_seqlen, "notes": notes}, extra={**details, "warnings": warnings})
+            "calib_seqlen": opts.calib_seqlen, "accept_config_keys": opts.accept_config_keys, "notes": notes},
+            extra={**details, "warnings": warnings})
     return ExportResult(out, "gguf", manifest, notes=notes, warnings=warnings, details=details)

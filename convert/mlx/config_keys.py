@@ -5,9 +5,11 @@ changes the computation in transformers but is no field there (Qwen3's ``attenti
 ``hidden_act``) would be ignored. The rules, derived from mlx-lm's own classes:
 - a ``ModelArgs`` field: read by mlx-lm (``archs.MlxArch.config_fixes`` put transformers 5's nested values
   where it reads them);
-- a key transformers defines that mlx-lm does not read: refused unless at transformers' default;
 - the keys below: how tuneport carries them, or why they change nothing.
-Any other key at a non-default value is refused by ``config_audit.audit``.
+``config_audit.audit`` refuses any other key transformers' model reads at a value that changes what it
+computes (mlx-lm does not read it); keys transformers does not read are inert. A ``ModelArgs`` field transformers
+does not read (Llama's ``rope_traditional``) is left out of the written config, so mlx-lm runs it as it runs the
+hub's configs (``engine_only_keys``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import functools
 import importlib
 
-from ..config_audit import KeyRule, audit, effective_config
+from ..config_audit import INERT_KEYS, KeyRule, audit, effective_config
 from .archs import mlx_arch_for
 
 
@@ -75,21 +77,34 @@ def fill_transformers_defaults(cfg: dict) -> list[str]:
 @functools.lru_cache(maxsize=32)
 def mlx_config_rules(model_type: str) -> dict[str, KeyRule]:
     """The audit's rules for ``model_type`` exported to mlx-lm."""
-    from transformers import AutoConfig
-
     module = mlx_arch_for(model_type).mlx_model
-    read = mlx_read_fields(model_type)
-    rules: dict[str, KeyRule] = {}
-    for key, default in AutoConfig.for_model(model_type).to_dict().items():
-        rules[key] = KeyRule("refused unless", f"transformers' default ({default!r}): mlx-lm's {module} does not read "
-                             "it", lambda v, cfg, k=key, d=default: None if v == d else
-                             f"mlx-lm's {module} does not read {k} (it runs as if it were {d!r})")
-    rules.update(COMMON)
-    rules.update(FIXED.get(model_type, {}))
-    rules.update({k: KeyRule("carried", f"read by mlx-lm's {module}.ModelArgs") for k in read})
+    rules = {**COMMON, **FIXED.get(model_type, {})}
+    rules.update({k: KeyRule("carried", f"read by mlx-lm's {module}.ModelArgs") for k in mlx_read_fields(model_type)})
     return rules
 
 
-def audit_mlx_config(cfg: dict) -> None:
-    """Refuse (UserError) a config value mlx-lm would not honour; ``cfg`` as tuneport writes it for mlx-lm."""
-    audit(cfg, mlx_config_rules(str(cfg.get("model_type"))), "mlx")
+def engine_only_keys(cfg: dict) -> list[str]:
+    """Keys of ``cfg`` mlx-lm reads and transformers' model does not, at a value other than mlx-lm's default:
+    mlx-lm would compute with them, the reference does not."""
+    from ..config_reads import judge_config
+
+    judged = judge_config(cfg)
+    defaults = mlx_field_defaults(str(cfg.get("model_type")))
+    return sorted(k for k, v in judged.verdicts.items() if k in defaults and v.kind == "inert"
+                  and k not in INERT_KEYS and v.value != defaults[k])
+
+
+@functools.lru_cache(maxsize=32)
+def mlx_field_defaults(model_type: str) -> dict:
+    """mlx-lm's ``ModelArgs`` fields that have a default, with it."""
+    args = importlib.import_module(f"mlx_lm.models.{mlx_arch_for(model_type).mlx_model}").ModelArgs
+    return {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING}
+
+
+def audit_mlx_config(cfg: dict) -> list[str]:
+    """Refuse (UserError) a config value mlx-lm would not honour; ``cfg`` as tuneport writes it for mlx-lm. The
+    audit's notes."""
+    model_type = str(cfg.get("model_type"))
+    module = mlx_arch_for(model_type).mlx_model
+    found = audit(cfg, mlx_config_rules(model_type), "mlx", unhandled=f"mlx-lm's {module} does not read it")
+    return found.notes(model_type)

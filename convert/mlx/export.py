@@ -30,7 +30,7 @@ from ..tensors import TensorMeta
 from . import INSTALL_HINT
 from .adapters import MlxAdapter, mlx_adapter, write_mlx_adapter
 from .archs import MlxArch, mlx_arch_for, mlx_config
-from .config_keys import audit_mlx_config, fill_transformers_defaults
+from .config_keys import audit_mlx_config, engine_only_keys, fill_transformers_defaults
 from .quant import QuantPlan, group_size_for, quant_type, quantize, quantized_shapes
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,10 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     dtype = output_dtype(plan, opts.dtype)
     cfg, filled = mlx_config(plan.config)
     defaulted = fill_transformers_defaults(cfg)
-    audit_mlx_config(cfg)  # a key mlx-lm would silently drop, at a value that changes the model: refused
+    audit_notes = audit_mlx_config(cfg)  # a key mlx-lm would silently drop, at a value that changes the model: refused
+    dropped = engine_only_keys(cfg)
+    for key in dropped:
+        cfg.pop(key)
     # mlx-lm ties (and drops a stored lm_head) by the config; transformers ties when the key is absent
     tied = f"{arch.lm_head}.weight" not in {s.name for s in plan.specs} or bool(
         cfg.get("tie_word_embeddings", True) and not plan.untied)
@@ -225,6 +228,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     if defaulted:
         notes.append(f"config: {', '.join(defaulted)} written at transformers' default (the base's config.json "
                      "leaves them out, and mlx-lm would assume its own)")
+    notes += audit_notes
+    if dropped:
+        notes.append(f"config: {', '.join(dropped)} left out: mlx-lm reads them, transformers' model does not")
     notes += [f"{march.model_type}: {n}" for n in march.notes]
     if qplan:
         kept = sorted({m for s in layout.sources if s.dtype.is_floating_point and len(s.shape) == 2
@@ -248,7 +254,8 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         (tmp / SERVE_SH).chmod(0o755)
         check_loads(tmp, adapter_dirs)
         options = {"adapters": opts.adapter_mode, "dtype": CONFIG_DTYPE_NAMES[dtype], "quant": q.name if q else None,
-                   "group_size": qplan.group_size if qplan else None, "config_filled": filled, "notes": notes}
+                   "group_size": qplan.group_size if qplan else None, "config_filled": filled,
+                   "accept_config_keys": opts.accept_config_keys, "notes": notes}
         extra = {"mlx_adapters": {a.name: a.config() for a in converted}} if converted else None
         manifest = write_manifest(tmp, "mlx", input_entries(ckpt, loaded), options,
                                   known_hashes={tmp / p.name: h for p, h in hashes.items()}, extra=extra)
