@@ -50,6 +50,21 @@ def _usage(out: Path, artifacts: list[dict]) -> list[str]:
     return lines
 
 
+def _accepted_risks(out: Path) -> list[str]:
+    """What the config audit would have refused and the recipe accepted (accept_config_keys), per target."""
+    import json
+
+    lines = []
+    for manifest in sorted(out.glob("artifacts/*/manifest.json")):
+        notes = json.loads(manifest.read_text()).get("options", {}).get("notes", [])
+        lines += [f"- `{manifest.parent.name}`: {n.split(': ', 1)[1]}" for n in notes
+                  if n.startswith("accepted risk")]
+    if not lines:
+        return []
+    return ["## Accepted risks", "", "The recipe accepted these config keys, which tuneport's audit refuses because "
+            "the engine may compute differently from transformers:", "", *lines, ""]
+
+
 def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
     rows = ["| artifact | engine | MB | KL vs fp32 | top-1 | ppl ratio | max \\|Δlogit\\| | LoRA strength | gates |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -80,6 +95,7 @@ def model_card(recipe: Recipe, artifacts: list[dict], out: Path) -> str:
         *rows,
         "",
         *(["![file size against KL per quant type](fidelity.png)", ""] if (out / "fidelity.png").exists() else []),
+        *_accepted_risks(out),
         "## Run it",
         "",
         *_usage(out, artifacts),

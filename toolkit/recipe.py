@@ -52,6 +52,7 @@ class GGUFTarget(_Strict):
     type: Literal["gguf"]
     quant: Annotated[list[str], Field(min_length=1)] = ["q8_0"]
     adapters: Literal[ADAPTER_MODES] = "merge"  # type: ignore[valid-type]
+    accept_config_keys: list[str] = []  # config audit refusals to proceed past (the model card lists them)
 
     @field_validator("quant")
     @classmethod
@@ -94,6 +95,7 @@ class MlxTarget(_Strict):
     quant: Literal[MLX_QUANTS] | None = None  # type: ignore[valid-type]  # none: unquantized
     group_size: Literal[MLX_GROUP_SIZES] | None = None  # type: ignore[valid-type]  # default: mlx-lm's
     dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
+    accept_config_keys: list[str] = []  # config audit refusals to proceed past (the model card lists them)
 
     @field_validator("quant", mode="before")
     @classmethod

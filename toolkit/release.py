@@ -279,11 +279,13 @@ def _exl3_entry(label: str, tdir: Path, done: dict, out: Path) -> dict:
 
 # What each recipe target type passes to export() besides base, adapters, target and out.
 TARGET_FIELDS: dict[str, Callable[[Release, Any], dict]] = {
-    "gguf": lambda r, t: {"adapter_mode": t.adapters, "quant": ",".join(t.quant), "name": r.recipe.name},
+    "gguf": lambda r, t: {"adapter_mode": t.adapters, "quant": ",".join(t.quant), "name": r.recipe.name,
+                          "accept_config_keys": t.accept_config_keys},
     "vllm": lambda r, t: {"adapter_mode": t.adapters, "max_lora_rank": t.max_lora_rank},
     "safetensors": lambda r, t: {"dtype": t.dtype},
     "awq": _awq_fields,
-    "mlx": lambda r, t: {"adapter_mode": t.adapters, "quant": t.quant, "group_size": t.group_size, "dtype": t.dtype},
+    "mlx": lambda r, t: {"adapter_mode": t.adapters, "quant": t.quant, "group_size": t.group_size, "dtype": t.dtype,
+                         "accept_config_keys": t.accept_config_keys},
     "exl3": lambda r, t: {"bits": t.bits, "head_bits": t.head_bits, "codebook": t.codebook},
 }
 assert set(TARGET_FIELDS) == set(TARGET_TYPES)
