@@ -97,6 +97,7 @@ class ServeOptions:
         check_choice("--vllm-base-guard", self.vllm_base_guard, BASE_GUARD)
         if self.max_adapters < 1:
             raise UserError("--max-adapters must be at least 1", "")
+        self.check_on_demand_room()
         if self.contexts < 1:
             raise UserError("--contexts must be at least 1", "1 keeps every adapter set in one context")
         for limit in ("max_tokens_limit", "max_prompt_tokens", "max_concurrent_per_key"):
@@ -115,6 +116,16 @@ class ServeOptions:
             raise UserError(f"{len(self.adapters)} start-up adapters exceed --max-adapters {self.max_adapters}",
                             "raise --max-adapters (or pass --no-pin on the llama.cpp engine)")
         return dict(self.adapters)
+
+    def check_on_demand_room(self) -> None:
+        """``--adapter-dir`` loads adapters on demand into free slots: refused when pinned start-up adapters fill
+        every slot, since no load could ever succeed."""
+        if self.adapter_dir is not None and self.pin and self.adapters and len(self.adapters) >= self.max_adapters:
+            raise UserError(f"--adapter-dir loads adapters on demand, but the {len(self.adapters)} pinned start-up "
+                            f"adapter(s) fill all --max-adapters {self.max_adapters} slots, so no on-demand load "
+                            "could ever succeed",
+                            f"raise --max-adapters to at least {len(self.adapters) + 1}, pass --no-pin (start-up "
+                            "adapters may then be evicted), or drop --adapter-dir")
 
     def read_api_key(self) -> str | None:
         return read_key_file("--api-key-file", self.api_key_file)

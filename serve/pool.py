@@ -31,6 +31,10 @@ class PoolError(ApiError):
     """A pool request that cannot be served; ``status`` is the HTTP status a gateway should answer."""
 
 
+class AlreadyLoaded(PoolError):
+    """The name is loaded already (409)."""
+
+
 @dataclass
 class PoolEntry:
     name: str
@@ -155,7 +159,7 @@ class AdapterPool:
                 while name in self._loading:
                     self._lock.wait()
                 if name in self._entries:
-                    raise PoolError(f"adapter {name!r} is already loaded", "unload it first", status=409)
+                    raise AlreadyLoaded(f"adapter {name!r} is already loaded", "unload it first", status=409)
                 if self._make_room(deadline):
                     break
             self._loading.add(name)
@@ -180,7 +184,7 @@ class AdapterPool:
         check_name(name)
         with self._lock:
             if name in self._entries:
-                raise PoolError(f"adapter {name!r} is already loaded", "unload it first", status=409)
+                raise AlreadyLoaded(f"adapter {name!r} is already loaded", "unload it first", status=409)
             if len(self._entries) >= self.max_adapters:
                 raise PoolError(f"more start-up adapters than --max-adapters {self.max_adapters}",
                                 "raise --max-adapters", status=400)
@@ -204,8 +208,15 @@ class AdapterPool:
                 if evictable_later and left > 0:
                     self._lock.wait(timeout=left)
                     return False
-                raise PoolError(f"all {self.max_adapters} adapter slots are pinned or in use",
-                                "retry later, unload an adapter, or raise --max-adapters", status=503)
+                pinned = sorted(e.name for e in self._entries.values() if e.pinned)
+                if not evictable_later:  # no request finishing frees a slot: retrying cannot help
+                    raise PoolError(f"all {self.max_adapters} adapter slots hold pinned adapters "
+                                    f"({', '.join(pinned)}), so no other adapter can be loaded",
+                                    "unload one (DELETE /v1/adapters/NAME), or restart with a larger "
+                                    "--max-adapters or with --no-pin", status=409)
+                raise PoolError(f"all {self.max_adapters} adapter slots are in use by requests"
+                                + (f" or pinned ({', '.join(pinned)})" if pinned else ""),
+                                "retry when a request finishes, or raise --max-adapters", status=503)
             victim = min(idle, key=lambda e: e.last_used)
             del self._entries[victim.name]
             self._evict(victim.name)
@@ -268,9 +279,7 @@ class AdapterPool:
                 raise PoolError(f"adapter {name!r} is not loaded", "load it first (POST /v1/adapters)", status=404)
             try:
                 entry = self.add(name, candidate, hold=True)
-            except PoolError as e:
-                if e.status != 409:
-                    raise
+            except AlreadyLoaded as e:
                 entry = self.try_hold(name)  # another request loaded it meanwhile
                 if entry is None:
                     raise PoolError(f"adapter {name!r} was evicted while loading", "retry", status=503) from e

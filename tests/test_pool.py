@@ -162,3 +162,30 @@ def test_an_unload_the_engine_does_not_confirm_still_frees_the_slot(setup, caplo
     assert "adapter a evicted, but the engine did not confirm its unload" in caplog.text
     pool.remove("b")  # an admin unload: the same
     assert pool.names() == ["c"]
+
+
+def test_pinned_adapters_filling_every_slot_are_not_a_retry_later(setup):
+    """Slots held by pinned adapters free up only when one is unloaded: a load is refused (409) saying so, never
+    told to retry; slots in use by requests (503) free up when the requests finish."""
+    pool, eng, root = setup
+    pool.add("a", root / "a", pinned=True)
+    pool.add("b", root / "b", pinned=True)
+    with pytest.raises(PoolError) as e, pool.use("c"):
+        pass
+    assert e.value.status == 409 and "retry" not in str(e.value).lower() + e.value.hint.lower()
+    assert "all 2 adapter slots hold pinned adapters (a, b)" in str(e.value)
+    assert "DELETE /v1/adapters/NAME" in e.value.hint
+
+
+def test_serve_refuses_pinned_start_up_adapters_that_fill_the_pool_with_an_adapter_dir(cli, zoo, tmp_path):
+    """Measured before: every on-demand load answered 503 'retry later' forever. Refused at start (exit 2)."""
+    adapter = zoo.adapter("llama", "plain")
+    args = ["serve", "--base", zoo.base("llama"), "--engine", "llamacpp", "--adapter-dir", tmp_path,
+            "--adapter", f"a={adapter}", "--adapter", f"b={adapter}", "--max-adapters", "2", "--dry-run"]
+    code, _, err = cli(*args)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "the 2 pinned start-up adapter(s) fill all --max-adapters 2 slots, so no on-demand load could ever " \
+           "succeed" in err and "raise --max-adapters to at least 3, pass --no-pin" in err, err
+    for fix in (["--max-adapters", "3"], ["--no-pin"]):
+        code, _, err = cli(*args, *fix)
+        assert code == 0, err
