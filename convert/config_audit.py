@@ -100,13 +100,16 @@ _MISSING = object()
 
 
 def effective_config(cfg: dict) -> dict:
-    """``cfg`` as transformers computes with it: a key the file leaves out takes its class default (a Qwen3-MoE
-    config without ``norm_topk_prob`` runs with False), so rules and derived values see what the model does."""
-    try:
-        defaults = _class_defaults(str(cfg.get("model_type")))
-    except (ValueError, KeyError):  # a model_type transformers does not know: only the file's keys
+    """``cfg`` as transformers computes with it: a key the file leaves out takes the value transformers' config
+    class gives it for this file (a Qwen3-MoE config without ``norm_topk_prob`` runs with False; a Llama 3.1 config
+    without ``head_dim`` with hidden / heads of its own sizes, not of the class's default sizes), so rules and
+    derived values see what the model does."""
+    from .config_reads import built_config
+
+    built = built_config(cfg)
+    if built is None:  # a model_type transformers does not know, or a config it cannot build: the file's keys
         return dict(cfg)
-    return {**cfg, **{k: v for k, v in defaults.items() if k not in cfg and k not in INERT_KEYS}}
+    return {**cfg, **{k: v for k, v in built.items() if k not in cfg and k not in INERT_KEYS}}
 
 
 @dataclass
@@ -162,13 +165,15 @@ def audit(cfg: dict, rules: Mapping[str, KeyRule], target: str, *,
                        f"{target}: {why}", "export for a target that copies config.json (--target vllm)")
             result.findings.append(AuditFinding(key, value, rule))
             continue
-        default = class_default(model_type, key)
-        if key not in cfg or (default is not _MISSING and _same(value, default)):
+        if key not in cfg:
             result.findings.append(AuditFinding(key, value, None))  # what transformers computes with anyway
             continue
+        default = class_default(model_type, key)
         judged = judged or judge_config(cfg)
         verdict = judged.verdicts.get(key)
-        if verdict is not None and verdict.kind == "inert":
+        if verdict is not None and verdict.kind != "read" and default is not _MISSING and _same(value, default):
+            result.findings.append(AuditFinding(key, value, None))  # written out at the class default: no note
+        elif verdict is not None and verdict.kind == "inert":
             result.inert.append(key)
         elif verdict is not None and verdict.kind == "redundant":
             result.redundant.append(key)

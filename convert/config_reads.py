@@ -283,6 +283,22 @@ def _build(model_type: str, cfg: dict):
         return cls.from_dict(copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type"}))
 
 
+def built_config(cfg: dict) -> dict | None:
+    """``cfg`` as transformers' config class builds it (``to_dict``: every key, derived ones computed from this
+    file's values); None when transformers does not know the model_type or cannot build the config."""
+    text = json.dumps(cfg, sort_keys=True, default=repr)
+    return _built(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _built(text: str) -> dict | None:
+    cfg = json.loads(text)
+    try:
+        return _build(str(cfg.get("model_type")), cfg).to_dict()
+    except Exception:  # noqa: BLE001 - unknown model_type or a config transformers refuses
+        return None
+
+
 def _evaluate(source: str, config) -> Any:
     names = {"config": config, "self": SimpleNamespace(config=config), "text_config": config}
     safe = {"int": int, "float": float, "len": len, "min": min, "max": max, "getattr": getattr,
@@ -384,7 +400,8 @@ def _judge(_digest: str, text: str) -> ConfigJudgement:
             verdicts[k] = KeyVerdict(k, value, "read", differs)
         else:
             known = (attr in reads.attributes or attr in reads.config_reads or attr in _fields(type(full))
-                     or inspect.getattr_static(type(full), attr, _MISSING) is not _MISSING)
+                     or inspect.getattr_static(type(full), attr, _MISSING) is not _MISSING
+                     or attr not in vars(full))  # consumed by the config class (rope_theta into rope_parameters)
             verdicts[k] = KeyVerdict(k, value, "redundant" if known else "inert")
     return ConfigJudgement(model_type, verdicts, reads)
 

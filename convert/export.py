@@ -43,6 +43,7 @@ TARGET_OPTIONS: dict[str, tuple[str, object]] = {
     "work_dir": ("--work-dir", None),
     "dry_run": ("--dry-run", False),
     "accept_config_keys": ("--accept-config-key", []),
+    "accept_tokenizer_difference": ("--accept-tokenizer-difference", False),
 }
 
 
@@ -123,7 +124,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            checks=(unquantized, known_architecture)),
     Target("gguf", "llama.cpp / Ollama: a model per --quant type, GGUF LoRAs with --adapters separate, Modelfiles",
            ("merge", "separate"), ("quant", "bpe_pre", "name", "calib", "calib_samples", "calib_seqlen",
-                                   "accept_config_keys"),
+                                   "accept_config_keys", "accept_tokenizer_difference"),
            "gguf.export:export_gguf",
            checks=(unquantized, gguf_architecture),
            instead=(("dtype", "choose the GGUF type with --quant (f32, bf16, f16, q8_0, ...)"),)),
@@ -243,7 +244,8 @@ def export(options: ExportOptions | None = None, /, *, progress: Progress | None
     Pass an :class:`ExportOptions` or its fields as keywords (``base``, ``target``, ``out``, ``adapters``,
     ``adapter_mode``, ``quant``, ``dtype``, ``max_lora_rank``, ``bpe_pre``, ``name``, ``quant_format``,
     ``group_size``, ``symmetric``, ``ignore``, ``calib``, ``calib_samples``, ``calib_seqlen``, ``bits``,
-    ``head_bits``, ``codebook``, ``work_dir``, ``dry_run``, ``accept_config_keys``, ``force``, ``allow_pickle``);
+    ``head_bits``, ``codebook``, ``work_dir``, ``dry_run``, ``accept_config_keys``,
+    ``accept_tokenizer_difference``, ``force``, ``allow_pickle``);
     ``progress(done_bytes, total_bytes, item)`` is called as the output is written.
     """
     from .config_audit import accepting

@@ -79,7 +79,13 @@ def check_hf_dir(path: Path, tensors: bool = True) -> str:
     missing = sorted(set(expected) - set(written) - tied)
     unexpected = sorted(set(written) - set(expected))
     wrong = sorted(n for n in set(expected) & set(written) if expected[n] != written[n])
+    model_type = getattr(model.config, "model_type", None)
     for what, names in (("missing", missing), ("unexpected", unexpected), ("with the wrong shape", wrong)):
+        if names and arch is None:  # no table entry: the names were kept as they are, and do not load
+            raise UserError(f"the exported model has {len(names)} tensor(s) {what} for {type(model).__name__} "
+                            f"(first: {names[0]}): tuneport has no table entry for architecture {model_type!r}, "
+                            "whose checkpoint layout differs from what transformers loads",
+                            "merge it with PEFT (merge_and_unload), or ask for the architecture to be added")
         if names:
             raise UserError(f"the exported model has {len(names)} tensor(s) {what} for {type(model).__name__} "
                             f"(first: {names[0]})", HINT)

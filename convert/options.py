@@ -117,6 +117,7 @@ class ExportOptions(MergeOptions):
     work_dir: Path | None = None  # exl3: the merged input and the converter's resumable job
     dry_run: bool = False  # exl3: print the plan and the converter command, write nothing
     accept_config_keys: list[str] = field(default_factory=list)  # gguf, mlx: audit refusals to proceed past
+    accept_tokenizer_difference: bool = False  # gguf: write a file llama.cpp tokenizes differently from HF
 
     def __post_init__(self) -> None:
         from .export import check_target_options

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tuneport
+from tuneport.convert.tokenizer_parity import CHATS, TOKENIZER_BATTERY
 from tuneport.toolkit.smollm.package import PackageUnavailable
-from tuneport.toolkit.verify.parity import CHATS, TOKENIZER_BATTERY
 
 pytestmark = pytest.mark.llamacpp
 N_COMPARED = 16  # served tokens compared with transformers' greedy generation

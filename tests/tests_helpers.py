@@ -45,3 +45,31 @@ def run_threads(target: Callable, args: Iterable[tuple], timeout: float | None =
 def fresh_greedy(model, lora, prompt, n):
     """``n`` greedy tokens from a fresh llama.cpp instance holding only ``lora`` (or no adapter)."""
     return llamacpp_greedy(model, lora, prompt, n)
+
+
+def llamacpp_gelu():
+    """A context in which transformers' tanh-GELU computes as llama.cpp's CPU backend does: through ggml's fp16
+    table (ggml-cpu/vec.h, GGML_GELU_FP16: the input rounded to fp16, the table's fp16 value; 0 below -10, the
+    input above 10). A Gemma GGUF compared with this reference shows the writer's error alone."""
+    import contextlib
+    import math
+
+    import torch
+    from transformers.activations import GELUTanh
+
+    def table_gelu(x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float16).to(torch.float32)
+        g = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * h * (1.0 + 0.044715 * h * h)))
+        y = g.to(torch.float16).to(x.dtype)
+        return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+    @contextlib.contextmanager
+    def patched():
+        original = GELUTanh.forward
+        GELUTanh.forward = lambda self, x: table_gelu(x)
+        try:
+            yield
+        finally:
+            GELUTanh.forward = original
+
+    return patched()

@@ -144,6 +144,9 @@ def export(
     accept_config_key: Annotated[list[str] | None, typer.Option(
         "--accept-config-key", help="gguf, mlx: export although the config audit refuses KEY (recorded in the "
         "manifest as an accepted risk); repeatable")] = None,
+    accept_tokenizer_difference: Annotated[bool, typer.Option(
+        "--accept-tokenizer-difference", help="gguf: write the file although llama.cpp tokenizes some strings or "
+        "chats differently from the HF tokenizer (recorded in the manifest)")] = False,
     force: Annotated[bool, typer.Option("--force")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
@@ -160,7 +163,8 @@ def export(
         bpe_pre=bpe_pre, name=name, quant_format=quant_format, group_size=group_size, symmetric=symmetric,
         ignore=ignore or [], calib=calib, calib_samples=calib_samples, calib_seqlen=calib_seqlen, bits=bits,
         head_bits=head_bits, codebook=codebook, work_dir=work_dir, dry_run=dry_run,
-        accept_config_keys=accept_config_key or [], force=force, allow_pickle=allow_pickle)
+        accept_config_keys=accept_config_key or [], accept_tokenizer_difference=accept_tokenizer_difference,
+        force=force, allow_pickle=allow_pickle)
     with byte_progress(f"export {opts.target}", not as_json and not dry_run) as progress:
         result = run(opts, progress=progress)
     emit(result.to_dict(), as_json, _export_summary(result))

@@ -53,6 +53,7 @@ class GGUFTarget(_Strict):
     quant: Annotated[list[str], Field(min_length=1)] = ["q8_0"]
     adapters: Literal[ADAPTER_MODES] = "merge"  # type: ignore[valid-type]
     accept_config_keys: list[str] = []  # config audit refusals to proceed past (the model card lists them)
+    accept_tokenizer_difference: bool = False  # write a GGUF llama.cpp tokenizes differently (model card lists it)
 
     @field_validator("quant")
     @classmethod

@@ -280,7 +280,8 @@ def _exl3_entry(label: str, tdir: Path, done: dict, out: Path) -> dict:
 # What each recipe target type passes to export() besides base, adapters, target and out.
 TARGET_FIELDS: dict[str, Callable[[Release, Any], dict]] = {
     "gguf": lambda r, t: {"adapter_mode": t.adapters, "quant": ",".join(t.quant), "name": r.recipe.name,
-                          "accept_config_keys": t.accept_config_keys},
+                          "accept_config_keys": t.accept_config_keys,
+                          "accept_tokenizer_difference": t.accept_tokenizer_difference},
     "vllm": lambda r, t: {"adapter_mode": t.adapters, "max_lora_rank": t.max_lora_rank},
     "safetensors": lambda r, t: {"dtype": t.dtype},
     "awq": _awq_fields,

@@ -23,7 +23,8 @@ from .modelfile import modelfile
 from .quant_types import QUANT_TYPES, QuantType, parse_quant_list
 from .quantize import IMATRIX_HINT, quantize_with_llamacpp
 from .runtime import check_loads
-from .vocab import read_vocab
+from .tokenizer_check import TokenizerReport, check_gguf_tokenizer
+from .vocab import GGUFVocab, general_name, read_vocab
 
 log = logging.getLogger(__name__)
 LOSSLESS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -72,6 +73,20 @@ def prove_loads(models: list[Path], loras: list[Path]) -> str:
     return f"loaded by llama.cpp: {len(models)} model(s), {len(loras)} adapter(s)"
 
 
+def check_tokenizer(model: Path, tok_dir: Path, vocab: GGUFVocab, accept: bool, shown: Path) -> TokenizerReport | None:
+    """The written file's tokenizer in llama.cpp against HF's (the battery, the chat template with and without a
+    system message and with tools, special ids and token types): UserError naming what differs unless
+    ``accept`` (--accept-tokenizer-difference); the report (None without llama-cpp-python)."""
+    from transformers import AutoTokenizer
+
+    report = check_gguf_tokenizer(model, AutoTokenizer.from_pretrained(tok_dir), vocab.inexact)
+    if report is not None and not report.passed and not accept:
+        raise UserError(f"llama.cpp would tokenize differently from the tokenizer in {shown}: {report.failure()}",
+                        "pass --accept-tokenizer-difference to write the GGUF anyway (recorded in its manifest), or "
+                        "export --target mlx or vllm, which run the HF tokenizer")
+    return report
+
+
 def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
     """Write ``out/<name>-<QUANT>.gguf`` for every type (one conversion feeds them all), GGUF LoRAs under
     ``adapters/`` for ``--adapters separate``, a Modelfile per model/adapter, and manifest.json."""
@@ -101,6 +116,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         copy_side_files(plan, tok_dir)
         n_vocab = plan.specs[[s.name for s in plan.specs].index(f"{arch.embed}.weight")].shape[0]
         vocab = read_vocab(tok_dir, n_vocab, opts.bpe_pre, shown=ckpt.path)
+        in_file, renamed = general_name(name, vocab)
         imatrix, calibration = build_imatrix(opts, plan, arch, tok_dir) if with_imatrix else (None, None)
         shapes = [(s.name, s.shape) for s in plan.specs]
         files: dict[str, Path] = {}
@@ -109,8 +125,9 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             path = (tmp if q in quants else scratch) / f"{name}-{q.label}.gguf"
             files[q.name] = path
             targets.append((path, plan_gguf_model(arch, plan.config, shapes, q.direct), q.ftype))
-        notes = [*plan.notes, *targets[0][1].facts.notes]
-        hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name=name, progress=progress)
+        notes = [*plan.notes, *targets[0][1].facts.notes, *([renamed] if renamed else [])]
+        hashes = write_gguf_models(targets, vocab, lambda n: merge_one(plan, specs[n]), name=in_file,
+                                   progress=progress)
         for q in via_llamacpp:
             files[q.name] = tmp / f"{name}-{q.label}.gguf"
             quantize_with_llamacpp(files[lossless.name], files[q.name], q, imatrix=imatrix)
@@ -127,19 +144,27 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         load_check = prove_loads([files[q.name] for q in quants], list(lora_files.values()))
         if not load_check.startswith("loaded"):
             warnings.append(f"GGUF files {load_check}")
+        tokenizer = check_tokenizer(files[quants[0].name], tok_dir, vocab, opts.accept_tokenizer_difference,
+                                    ckpt.path)
+        if tokenizer is None:
+            warnings.append("tokenizer not checked in llama.cpp: llama-cpp-python is not installed")
+        elif not tokenizer.passed:
+            notes.append(f"accepted risk (--accept-tokenizer-difference): {tokenizer.failure()}")
         shutil.rmtree(scratch)
         main = quants[0]
         eos = vocab.tokens[vocab.special["eos"]] if "eos" in vocab.special else None
-        text, warn = modelfile(files[main.name].name, vocab.chat_template, eos=eos)
+        bos = vocab.tokens[vocab.special["bos"]] if "bos" in vocab.special else None
+        text, warn = modelfile(files[main.name].name, vocab.chat_template, eos=eos, bos=bos)
         (tmp / "Modelfile").write_text(text)
         warnings += [warn] if warn else []
         for aname, path in lora_files.items():
-            text, _ = modelfile(files[main.name].name, vocab.chat_template, f"adapters/{path.name}", eos=eos)
+            text, _ = modelfile(files[main.name].name, vocab.chat_template, f"adapters/{path.name}", eos=eos,
+                                bos=bos)
             (tmp / f"Modelfile.{aname}").write_text(text)
         details = {"models": {q.name: files[q.name].name for q in quants},
                    "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
                    "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded},
-                   "load_check": load_check}
+                   "load_check": load_check, "tokenizer_check": tokenizer.as_dict() if tokenizer else None}
         if imatrix is not None:
             details["calibration"] = calibration
             details["imatrix"] = {"file": IMATRIX_FILE, **imatrix.describe(),
@@ -148,6 +173,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             "adapters": mode, "quant": [q.name for q in quants],
             "bpe_pre": vocab.pre if vocab.model == "gpt2" else None,
             "calib": str(opts.calib) if opts.calib else None, "calib_samples": opts.calib_samples,
-            "calib_seqlen": opts.calib_seqlen, "accept_config_keys": opts.accept_config_keys, "notes": notes},
+            "calib_seqlen": opts.calib_seqlen, "accept_config_keys": opts.accept_config_keys,
+            "accept_tokenizer_difference": opts.accept_tokenizer_difference, "notes": notes},
             extra={**details, "warnings": warnings})
     return ExportResult(out, "gguf", manifest, notes=notes, warnings=warnings, details=details)

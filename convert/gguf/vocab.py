@@ -7,6 +7,7 @@ transformers), so what llama.cpp does with the file matches what HF does with th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,9 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Byte-level BPE pre-tokenizers llama.cpp knows, by the HF steps that run before ByteLevel (with
 # use_regex=True, GPT-2's built-in regex): ("Split", regex) or ("Digits", individual_digits).
 BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
@@ -26,6 +30,7 @@ BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
     "llama-bpe": (("Split", LLAMA3_SPLIT),),
     "gpt-2": (),
     "smollm": (("Digits", True),),  # SmolLM/SmolLM2 (llama.cpp: \p{N} split, then GPT-2's regex)
+    "tekken": (("Split", TEKKEN_SPLIT),),  # Mistral Nemo, Small 3 (tekken.json converted by transformers)
 }
 BPE_PRE_BY_STEPS = {steps: name for name, steps in BPE_PRE_STEPS.items()}
 KNOWN_BPE_PRE = ("qwen2", "llama-bpe", "llama3", "gpt-2", "default", "deepseek-llm", "deepseek-coder",
@@ -45,6 +50,9 @@ class GGUFVocab:
     add_eos: bool = False
     add_space_prefix: bool | None = None
     chat_template: str | None = None
+    # why llama.cpp cannot run this tokenizer exactly as transformers does (None: it can, as far as tuneport knows)
+    inexact: str | None = None
+    rstrip: str = "none"  # HF's added tokens that strip the whitespace after them: "none", "all" or "mixed"
 
     def write(self, writer) -> None:
         writer.add_tokenizer_model(self.model)
@@ -72,6 +80,26 @@ class GGUFVocab:
             writer.add_chat_template(self.chat_template)
 
 
+# llama.cpp (llama-vocab.cpp) strips the whitespace after every special token but these when the model's
+# general.name contains "phi-3" or "phi3" (Phi-3's tokenizer does), and after none otherwise.
+PHI3_NAMES = ("phi-3", "phi3")
+PHI3_UNSTRIPPED = ("<unk>", "<s>", "<|endoftext|>", "</s>")
+
+
+def general_name(name: str, vocab: GGUFVocab) -> tuple[str, str | None]:
+    """The ``general.name`` to write, and a note when it differs from ``name``: llama.cpp decides by the name
+    whether special tokens strip the whitespace after them, so the name must say what the HF tokenizer does."""
+    says_phi3 = any(p in name.lower() for p in PHI3_NAMES)
+    if says_phi3 and vocab.rstrip == "none":
+        safe = re.sub(r"phi-?3", "phi_3", name, flags=re.IGNORECASE)
+        return safe, (f"general.name {safe!r}, not {name!r}: llama.cpp would strip the space after every special "
+                      "token of a model whose name contains phi3, which this tokenizer does not")
+    if not says_phi3 and vocab.rstrip == "all":
+        return f"{name}-phi3", (f"general.name {name}-phi3: llama.cpp strips the space after special tokens, as "
+                                "this tokenizer does, only for a model whose name contains phi3")
+    return name, None
+
+
 def _unreadable(shown: Path, e: Exception) -> UserError:
     return UserError(f"cannot load the tokenizer in {shown} ({type(e).__name__}: {str(e)[:120]})",
                      "the model directory needs its tokenizer files")
@@ -97,6 +125,9 @@ def _common(tok, vocab: GGUFVocab, n_vocab: int) -> None:
     vocab.add_bos = bool(probe) and "bos" in vocab.special and probe[0] == vocab.special["bos"]
     vocab.add_eos = bool(probe) and "eos" in vocab.special and probe[-1] == vocab.special["eos"]
     vocab.chat_template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    stripping = {bool(getattr(a, "rstrip", False)) for t, a in tok.added_tokens_decoder.items()
+                 if t < n_vocab and a.content not in PHI3_UNSTRIPPED}
+    vocab.rstrip = "mixed" if len(stripping) > 1 else "all" if stripping == {True} else "none"
     for tid, added in tok.added_tokens_decoder.items():
         if tid >= n_vocab:
             continue
@@ -104,6 +135,42 @@ def _common(tok, vocab: GGUFVocab, n_vocab: int) -> None:
         vocab.types[tid] = CONTROL if added.special else USER_DEFINED
         if vocab.scores is not None:
             vocab.scores[tid] = -1000.0
+
+
+def effective_pipeline(tok, model_dir: Path) -> dict:
+    """The tokenizer.json transformers actually runs: its live backend (transformers 5's tokenizer classes rebuild
+    the pre-tokenizer from their own options, whatever the file says), else the file."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return json.loads(backend.to_str())
+    path = model_dir / "tokenizer.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _steps(part: dict | None, key: str) -> list[dict]:
+    if not part:
+        return []
+    return list(part.get(key, [])) if part.get("type") == "Sequence" else [part]
+
+
+def space_prefix(pipeline: dict, dummy_prefix: bool) -> tuple[bool, str | None]:
+    """How HF puts the SentencePiece space before text, as llama.cpp's ``add_space_prefix``: (the flag, and why
+    llama.cpp cannot match it exactly, or None). llama.cpp prefixes the start and the text after every special
+    token, unconditionally: what a ``Prepend("▁")`` normalizer does. transformers' ``Metaspace`` prefixes only text
+    that does not start with a space, and with ``prepend_scheme`` first only at the very start."""
+    if any(s.get("type") == "Prepend" for s in _steps(pipeline.get("normalizer"), "normalizers")):
+        return True, None
+    meta = [s for s in _steps(pipeline.get("pre_tokenizer"), "pretokenizers") if s.get("type") == "Metaspace"]
+    if meta:
+        scheme = meta[0].get("prepend_scheme", "always" if meta[0].get("add_prefix_space", True) else "never")
+        if scheme == "never":
+            return False, None
+        after = "nor after special tokens" if scheme == "first" else "and none after a special token before text " \
+                                                                      "that starts with a space"
+        return True, (f"llama.cpp puts a space before the text at the start and after every special token; this "
+                      f"tokenizer (transformers' Metaspace, prepend_scheme {scheme!r}) puts none before text that "
+                      f"starts with one, {after}")
+    return (dummy_prefix, None) if not pipeline else (False, None)
 
 
 def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
@@ -121,8 +188,8 @@ def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
                     else BYTE if sp.IsByte(i) else NORMAL)
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString((model_dir / "tokenizer.model").read_bytes())
-    vocab = GGUFVocab("llama", "default", tokens, types, scores=scores,
-                      add_space_prefix=bool(proto.normalizer_spec.add_dummy_prefix))
+    prefix, inexact = space_prefix(effective_pipeline(tok, model_dir), bool(proto.normalizer_spec.add_dummy_prefix))
+    vocab = GGUFVocab("llama", "default", tokens, types, scores=scores, add_space_prefix=prefix, inexact=inexact)
     _common(tok, vocab, n_vocab)
     return vocab
 
@@ -160,6 +227,8 @@ def hf_pre_tokenizer(pre: str, byte_level: dict) -> dict | None:
 
 def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None) -> GGUFVocab:
     tj = json.loads((model_dir / "tokenizer.json").read_text())
+    live = effective_pipeline(tok, model_dir)  # the pre-tokenizer transformers runs, which may not be the file's
+    tj = {**tj, **{k: live[k] for k in ("normalizer", "pre_tokenizer") if k in live}}
     model = tj.get("model", {})
     if model.get("type") != "BPE":
         raise UserError(f"tokenizer in {model_dir} is {model.get('type')}, not BPE or SentencePiece",

@@ -74,12 +74,32 @@ def fill_transformers_defaults(cfg: dict) -> list[str]:
     return filled
 
 
+def _short_factors_differ(value, cfg: dict) -> str | None:
+    """LongRoPE (Phi-3.5, Phi-4-mini): mlx-lm's SuScaledRoPE rotates with the long factors at every length;
+    transformers uses the short ones up to original_max_position_embeddings."""
+    if not isinstance(value, dict) or value.get("rope_type", value.get("type")) not in ("longrope", "su"):
+        return None
+    if value.get("short_factor") == value.get("long_factor"):
+        return None
+    return ("mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every length; transformers uses the short "
+            "factors up to original_max_position_embeddings "
+            f"({value.get('original_max_position_embeddings', cfg.get('original_max_position_embeddings'))} tokens)")
+
+
+# Keys mlx-lm reads, at values it computes differently from transformers.
+CHECKED = {"rope_scaling": _short_factors_differ, "rope_parameters": _short_factors_differ}
+
+
 @functools.lru_cache(maxsize=32)
 def mlx_config_rules(model_type: str) -> dict[str, KeyRule]:
     """The audit's rules for ``model_type`` exported to mlx-lm."""
     module = mlx_arch_for(model_type).mlx_model
     rules = {**COMMON, **FIXED.get(model_type, {})}
     rules.update({k: KeyRule("carried", f"read by mlx-lm's {module}.ModelArgs") for k in mlx_read_fields(model_type)})
+    for key, check in CHECKED.items():
+        if key in rules:
+            rules[key] = KeyRule(rules[key].how, rules[key].what + "; LongRoPE only with equal short and long factors",
+                                 check)
     return rules
 
 

@@ -206,7 +206,7 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     cfg, filled = mlx_config(plan.config)
     defaulted = fill_transformers_defaults(cfg)
     audit_notes = audit_mlx_config(cfg)  # a key mlx-lm would silently drop, at a value that changes the model: refused
-    dropped = engine_only_keys(cfg)
+    dropped = [k for k in engine_only_keys(plan.config) if k in cfg]  # the base's own keys, not tuneport's fixes
     for key in dropped:
         cfg.pop(key)
     # mlx-lm ties (and drops a stored lm_head) by the config; transformers ties when the key is absent

@@ -544,7 +544,7 @@ def _(w):
 
 @case("tokenizer", "unknown-model-type",
       "error: cannot load the tokenizer in {base} (Exception: invalid type: null, expected a string at line 1 "
-      "column 3018): " + TOKENIZER_HINT)
+      "column 2972): " + TOKENIZER_HINT)
 def _(w):
     w.json_edit(w.base / "tokenizer.json", lambda t: t["model"].update(type="WordLevel"))
     (w.base / "tokenizer.model").unlink()

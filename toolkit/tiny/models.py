@@ -89,14 +89,21 @@ def make_base(
     seed: int = 0,
     max_shard_size: str = "400KB",
     dims: dict | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> Path:
-    """Write a tiny HF model dir (config, generation config, tokenizer, sharded safetensors)."""
+    """Write a tiny HF model dir (config, generation config, tokenizer, sharded safetensors); ``tokenizer_dir``:
+    its tokenizer files instead of the architecture's tiny one (a real tokenizer, the vocabulary sized to it)."""
+    import shutil
+
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     spec = TINY_ARCHS[arch]
     out = Path(out)
-    TOKENIZER_WRITERS[spec.tokenizer](out)
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, out, dirs_exist_ok=True)
+    else:
+        TOKENIZER_WRITERS[spec.tokenizer](out)
     tok = AutoTokenizer.from_pretrained(out)
     if spec.text_config_class:  # Gemma 3's image tokens and processor, as its checkpoints ship them
         tok = _write_image_processor(out)

@@ -55,8 +55,11 @@ TOOLS_TEMPLATE = (
 )
 
 
-def write_sentencepiece(out: Path) -> None:
-    """Train a BPE SentencePiece model with byte fallback; write HF tokenizer files into ``out``."""
+def write_sentencepiece(out: Path, space_prefix: bool = False) -> None:
+    """Train a BPE SentencePiece model with byte fallback; write HF tokenizer files into ``out``. Without a
+    space prefix (as Gemma's), which llama.cpp tokenizes exactly as transformers; with one (as Llama 2's and
+    Mistral's), transformers 5's Metaspace puts no space before text that starts with one, or after special
+    tokens, where llama.cpp always does (``export --target gguf`` refuses it unless told to accept that)."""
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
@@ -78,6 +81,7 @@ def write_sentencepiece(out: Path) -> None:
         eos_id=2,
         pad_id=-1,
         user_defined_symbols=["[INST]", "[/INST]", "<|endoftext|>"],
+        add_dummy_prefix=space_prefix,
         num_threads=1,
         minloglevel=2,
     )
@@ -90,6 +94,7 @@ def write_sentencepiece(out: Path) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "legacy": False,
+        "add_prefix_space": space_prefix,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     tok = AutoTokenizer.from_pretrained(out)  # converts tokenizer.model into tokenizer.json
@@ -144,4 +149,5 @@ def _drop_auto_map(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
-TOKENIZER_WRITERS = {"sentencepiece": write_sentencepiece, "bpe": write_bytelevel_bpe}
+TOKENIZER_WRITERS = {"sentencepiece": write_sentencepiece, "bpe": write_bytelevel_bpe,
+                     "sentencepiece_prefixed": lambda out: write_sentencepiece(out, space_prefix=True)}

@@ -61,11 +61,12 @@ class MlxRunner:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer._tokenizer(text).input_ids)
 
-    def render_chat(self, messages: list[dict]) -> list[int] | None:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int] | None:
         tok = self.tokenizer._tokenizer
         if not tok.chat_template:
             return None
-        return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+        return list(tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
+                                            return_dict=False))
 
     def special_tokens(self) -> dict:
         tok = self.tokenizer._tokenizer

@@ -12,10 +12,10 @@ import torch
 from tuneport.convert.errors import FidelityError, UserError
 from tuneport.convert.mlx.read import mlx_model_info
 from tuneport.convert.options import coerce_options
+from tuneport.convert.tokenizer_parity import chat_template_parity, special_tokens_parity, tokenizer_parity
 
 from ..fidelity import compare_logits
 from .gates import METRICS, parse_gates
-from .parity import chat_template_parity, special_tokens_parity, tokenizer_parity
 from .reference import greedy_prompt, reference
 
 

@@ -154,10 +154,10 @@ class VllmRunner:
     def tokenize(self, text: str) -> list[int]:
         return self.tok(text).input_ids
 
-    def render_chat(self, messages: list[dict]) -> list[int] | None:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int] | None:
         if not self.tok.chat_template:
             return None
-        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        return list(self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"])
 
     def special_tokens(self) -> dict:

