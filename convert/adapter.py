@@ -221,6 +221,27 @@ VALUE_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 
 
+# Repositories of 4-bit bases fine-tuning tools train QLoRA adapters on (Unsloth: X-bnb-4bit, X-unsloth-bnb-4bit)
+_QUANTIZED_REPO = re.compile(r"(?:-unsloth)?-bnb-(?:4|8)bit$", re.IGNORECASE)
+
+
+def unquantized_name(name: str | None) -> str | None:
+    """The 16-bit repository of a bitsandbytes base an adapter names (Unsloth publishes both: ``unsloth/X`` beside
+    ``unsloth/X-bnb-4bit`` and ``unsloth/X-unsloth-bnb-4bit``); None when ``name`` is not one."""
+    if not isinstance(name, str) or not _QUANTIZED_REPO.search(name):
+        return None
+    return _QUANTIZED_REPO.sub("", name)
+
+
+def quantized_base_note(adapter_name: str, cfg: dict) -> str | None:
+    """What an export says of an adapter trained over a 4-bit base: it is applied to 16-bit weights."""
+    named = cfg.get("base_model_name_or_path")
+    if (plain := unquantized_name(named)) is None:
+        return None
+    return (f"adapter {adapter_name} was trained over the 4-bit {named} (QLoRA); it is applied to the 16-bit base "
+            f"given (that repository's 16-bit weights: {plain})")
+
+
 def value_refusals(cfg: dict) -> list[str]:
     """The honoured keys whose values are not what PEFT writes (a string rank, a NaN alpha, a bad pattern)."""
     problems = [f"{key}={cfg[key]!r} must be {what}" for key, (ok, what) in VALUE_RULES.items()
@@ -243,8 +264,25 @@ def value_refusals(cfg: dict) -> list[str]:
     return problems
 
 
+# Keys of adapter_config.json files other tools write under the same name
+MLX_LM_ADAPTER_KEYS = frozenset({"lora_parameters", "fine_tune_type", "lora_layers", "num_layers"})
+
+
+def foreign_adapter(cfg: dict) -> str | None:
+    """Why ``cfg`` is not a PEFT adapter config at all (one reason, not one per key), or None."""
+    if "peft_type" in cfg or "r" in cfg:
+        return None
+    if MLX_LM_ADAPTER_KEYS & cfg.keys():
+        return ("this adapter_config.json is mlx-lm's (mlx_lm.lora: lora_parameters, num_layers), not PEFT's: serve "
+                "it with --engine mlx over its MLX base; tuneport exports PEFT adapters")
+    return ("this adapter_config.json has neither peft_type nor r: it is not a PEFT LoRA adapter "
+            f"(its keys: {', '.join(sorted(cfg)[:6])})")
+
+
 def config_refusals(cfg: dict) -> list[str]:
     """Every reason tuneport cannot apply this adapter config faithfully."""
+    if (why := foreign_adapter(cfg)) is not None:
+        return [why]
     problems = value_refusals(cfg)
     for key, value in cfg.items():
         rule = CONFIG_KEYS.get(key)

@@ -49,8 +49,12 @@ TARGET_OPTIONS: dict[str, tuple[str, object]] = {
 
 def unquantized(ckpt: Checkpoint) -> None:
     if ckpt.quantization:
+        from .adapter import unquantized_name
+
         method = ckpt.quantization.get("quant_method", "an unknown method")
+        plain = unquantized_name(ckpt.spec.rstrip("/")) or unquantized_name(str(ckpt.config.get("_name_or_path")))
         raise UserError(f"{ckpt.path} is quantized ({method}); tuneport merges and exports unquantized checkpoints",
+                        f"pass its 16-bit weights: --base {plain}" if plain else
                         "pass the original (unquantized) base model")
 
 

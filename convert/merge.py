@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapter import Adapter
+from .adapter import Adapter, quantized_base_note
 from .checkpoint import Checkpoint
 from .errors import UserError
 from .options import check_choice
@@ -73,6 +73,7 @@ def plan_merge(base: Checkpoint, adapters: list[WeightedAdapter], dtype: str = "
     adapters = [WeightedAdapter(adapter_on_checkpoint(w.adapter, base), w.weight) for w in adapters]
     plan = MergePlan(base, adapters, OUT_DTYPES[dtype])
     plan.notes.extend(getattr(base, "notes", []))  # e.g. a multimodal checkpoint's text model, exported alone
+    plan.notes.extend(n for w in adapters if (n := quantized_base_note(w.adapter.name, w.adapter.config)))
     arch = base.arch
     embed = f"{arch.embed}.weight" if arch else "model.embed_tokens.weight"
     head = f"{arch.lm_head}.weight" if arch else "lm_head.weight"

@@ -336,8 +336,12 @@ def test_bad_input(zoo, tmp_path, cli):
     (base / "tokenizer.json").write_text(json.dumps(tj))
     err = refused(cli, tmp_path / "o1", "--base", base, "--quant", "f16", expect="--bpe-pre")
     assert "pre-tokenizer" in err
+    # forcing a pre-tokenizer that is not this one: the written file is checked, and refused (names the strings)
+    err = refused(cli, tmp_path / "o1b", "--base", base, "--quant", "f16", "--bpe-pre", "qwen2",
+                  expect="llama.cpp would tokenize differently from the tokenizer in")
+    assert "--accept-tokenizer-difference" in err
     code, _, err = cli("export", "--target", "gguf", "--out", tmp_path / "o1b", "--base", base, "--quant", "f16",
-                       "--bpe-pre", "qwen2")
+                       "--bpe-pre", "qwen2", "--accept-tokenizer-difference")
     assert code == 0, err
 
     mamba = tmp_path / "mamba"

@@ -26,6 +26,7 @@ REAL = Path(__file__).parent / "real"
 SOURCES = json.loads((REAL / "sources.json").read_text())
 CONFIGS = {p.parent.name: p for p in sorted(REAL.glob("*/*/config.json"))}
 TARGETS = ("merge", "gguf", "mlx")
+COLUMNS = (*TARGETS, "vllm")  # the printed table
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
 # llama.cpp evaluates GELU through an fp16 table (test_gguf_export.py: 5e-3 on the tiny Gemmas, 1.05e-2 with a real
 # config's six layers): Gemma's GGUFs are compared with a reference that computes GELU through the same table
@@ -56,8 +57,8 @@ def _table(summary):
     yield
     if OUTCOMES:
         rows = sorted({n for n, _ in OUTCOMES})
-        lines = ["real configs (tests/real): file | " + " | ".join(TARGETS)]
-        lines += [f"  {n} | " + " | ".join(OUTCOMES.get((n, t), "-") for t in TARGETS) for n in rows]
+        lines = ["real configs (tests/real): file | " + " | ".join(COLUMNS)]
+        lines += [f"  {n} | " + " | ".join(OUTCOMES.get((n, t), "-") for t in COLUMNS) for n in rows]
         summary.append("\n".join(lines))
 
 
@@ -120,7 +121,7 @@ def test_a_real_config_exports_or_is_refused_for_a_reason(name, tmp_path, cli):
         if (name, target) in REFUSED:
             reason = _refusal(code, err, out)
             assert REFUSED[name, target] in reason, reason
-            OUTCOMES[name, target] = f"refused: {reason[:60]}"
+            OUTCOMES[name, target] = "refused: " + reason.replace(str(tmp_path), "")[:70]
             continue
         assert code == 0, f"{name} --target {target}: {err}"
         OUTCOMES[name, target] = f"= (max|d| {compare(target, base, adapter, out, model_type):.1e})"
@@ -177,3 +178,93 @@ def test_the_unsloth_saved_config_exports_to_gguf_and_mlx(tmp_path, cli):
             json.loads(stdout)["notes"]
         compare(target, base, adapter, out, "llama")
     shutil.rmtree(tmp_path)
+
+
+# A key of a real config flipped: (file, what changes, {target: "=" parity | "refused: <piece>"})
+FLIPS = [
+    ("meta-llama--Llama-3.2-1B-Instruct", {"attention_bias": True}, {"gguf": "=", "mlx": "="}),
+    ("meta-llama--Llama-3.2-1B-Instruct", {"tie_word_embeddings": False}, {"gguf": "=", "mlx": "="}),
+    ("Qwen--Qwen2.5-7B-Instruct", {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768}}, {"gguf": "="}),
+    ("Qwen--Qwen2.5-7B-Instruct", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     {"gguf": "refused: RoPE types llama.cpp runs for qwen2"}),
+    ("Qwen--Qwen2.5-7B-Instruct", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+     {"mlx": "refused: mlx-lm's qwen2 has no sliding window (a window of 8 tokens)"}),
+    ("google--gemma-2-9b-it", {"final_logit_softcapping": None},
+     {"gguf": "refused: llama.cpp always soft-caps Gemma 2's logits"}),
+    ("google--gemma-2-9b-it", {"attn_logit_softcapping": 20.0}, {"gguf": "="}),
+    ("Qwen--Qwen3-30B-A3B", {"norm_topk_prob": False},
+     {"gguf": "refused: renormalizes the chosen experts' weights", "mlx": "="}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+@pytest.mark.parametrize(("name", "flip", "expect"), FLIPS,
+                         ids=[f"{n.split('--')[1]}-{'-'.join(f)}" for n, f, _ in FLIPS])
+def test_flipping_a_key_of_a_real_config_changes_the_verdict_as_it_should(name, flip, expect, tmp_path, cli):
+    """The keys that matter, on real configs: each flip is carried (the export still equals transformers, which
+    now computes differently) or refused with the engine's reason."""
+    from tuneport.toolkit.tiny.real import make_base_like
+
+    real = {**json.loads(CONFIGS[name].read_text()), **flip}
+    base = make_base_like(real, tmp_path / name)
+    adapter = _adapter(base, tmp_path)
+    for target, outcome in expect.items():
+        out = tmp_path / target
+        extra = ["--quant", "f32"] if target == "gguf" else []
+        code, _, err = cli("export", "--target", target, "--base", base, "--adapters", "separate",
+                           "--adapter", f"a={adapter}", "--out", out, *extra)
+        if outcome.startswith("refused"):
+            assert outcome.split(": ", 1)[1] in _refusal(code, err, out)
+        else:
+            assert code == 0, err
+            compare(target, base, adapter, out, real["model_type"])
+
+
+def _vllm_cases() -> list[str]:
+    """One real config per model_type vLLM serves (the first in file order), and Phi-4-mini's LongRoPE."""
+    from tuneport.convert.support import supported
+
+    chosen: dict[str, str] = {}
+    for name, path in CONFIGS.items():
+        model_type = json.loads(path.read_text())["model_type"]
+        if model_type in supported("vllm") and not any((name, t) in REFUSED for t in ("merge", "gguf")):
+            chosen.setdefault(model_type, name)
+    return sorted({*chosen.values(), "microsoft--Phi-4-mini-instruct"})
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serves_every_real_config_like_peft(tmp_path, cli):
+    """The vLLM column on real configs, one vLLM process for all: each bundle (base + an all-linear adapter; a
+    mixture of experts merged, since vLLM's CPU build runs no LoRA on fused experts) gives transformers' and PEFT's
+    greedy tokens."""
+    from test_vllm_export import N_TOKENS, prompt_ids, run_vllm
+
+    from tuneport.convert.arch import known_arch
+    from tuneport.toolkit.fidelity import greedy
+
+    jobs, want = [], []
+    for name in _vllm_cases():
+        base, why = build(name, tmp_path)
+        assert base is not None, why
+        adapter = _adapter(base, tmp_path / name)
+        out = tmp_path / f"{name}-vllm"
+        moe = (spec := known_arch(json.loads((base / "config.json").read_text())["model_type"])) and spec.experts
+        mode = "merge" if moe else "separate"
+        code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", mode, "--adapter",
+                           f"a={adapter}", "--out", out)
+        assert code == 0, f"{name}: {err}"
+        prompts = prompt_ids(base)
+        if moe:
+            jobs.append({"model": str(out), "prompts": prompts, "max_tokens": N_TOKENS})
+            want.append({"": [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]})
+        else:
+            jobs.append({"bundle": str(out), "prompts": prompts, "max_tokens": N_TOKENS, "with_base": True})
+            want.append({"": [greedy(load_hf(base), p, N_TOKENS) for p in prompts],
+                         "a": [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]})
+    got = run_vllm(jobs, tmp_path)
+    for name, g, w in zip(_vllm_cases(), got, want, strict=True):
+        assert {k: g[k] for k in w} == w, name
+        OUTCOMES[name, "vllm"] = "= (greedy tokens)"

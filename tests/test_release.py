@@ -290,7 +290,7 @@ def test_every_new_architecture_is_released_and_verified(zoo, tmp_path, arch):
     gated; F16 and the mlx-lm adapter within 1e-3 KL, Q8_0 within the default gate."""
     from tuneport.convert.support import supported
     from tuneport.toolkit.release import release
-    from tuneport.toolkit.tiny import TINY_ARCHS, make_adapter, make_base
+    from tuneport.toolkit.tiny import make_adapter, make_base
 
     if arch == "gemma3":  # every 6th layer global, as llama.cpp's Gemma 3 runs it and mlx-lm's needs a global one
         base = make_base(arch, tmp_path / "base", dims={"num_hidden_layers": 6, "sliding_window": 4,
@@ -301,10 +301,9 @@ def test_every_new_architecture_is_released_and_verified(zoo, tmp_path, arch):
     targets = "\n  - {type: gguf, quant: [f16, q8_0], adapters: separate}"
     if arch in supported("mlx"):
         targets += "\n  - {type: mlx, adapters: separate}"
-    # the tiny SentencePiece fixtures are non-legacy, which llama.cpp tokenizes differently
-    # (tests/test_verify.py::test_non_legacy_sentencepiece_differs_in_llamacpp): those checks are off for them
-    checks = ", tokenizer: false, chat_template: false" if TINY_ARCHS[arch].tokenizer == "sentencepiece" else ""
-    recipe = write_recipe(tmp_path / "recipe.yaml", base, {"ft": adapter}, gates=f"{{kl: {{default: 0.5}}{checks}}}",
+    # every gate on, the tokenizer and chat template checks included (the tiny SentencePiece fixtures have no space
+    # prefix, which llama.cpp runs exactly)
+    recipe = write_recipe(tmp_path / "recipe.yaml", base, {"ft": adapter}, gates="{kl: {default: 0.5}}",
                           targets=targets)
     summary = release(recipe=recipe, out=tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, read_adapter_config
+from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, read_adapter_config, unquantized_name
 from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
 from tuneport.convert.checkpoint import Checkpoint, user_path
 from tuneport.convert.errors import UserError
@@ -126,6 +126,8 @@ def inspect_adapter(path: Path) -> dict:
         "path": str(path),
         "architecture": arch.model_type if arch else _base_class(cfg),
         "base_model": cfg.get("base_model_name_or_path"),
+        # a QLoRA adapter names its 4-bit base; tuneport exports over the 16-bit weights
+        "base_model_16bit": unquantized_name(cfg.get("base_model_name_or_path")),
         "r": cfg.get("r"),
         "lora_alpha": cfg.get("lora_alpha"),
         "ranks": a.ranks,
@@ -370,7 +372,8 @@ def _quant_line(r: dict) -> str | None:
 
 def format_report(r: dict) -> str:
     lines = [f"{r['path']}: {r['kind']}"]
-    keys = ["format", "architecture", "base_model", "fine_tune_type", "parameters", "dtype", "bytes", "files",
+    keys = ["format", "architecture", "base_model", "base_model_16bit", "fine_tune_type", "parameters", "dtype",
+            "bytes", "files",
             "vocab_size", "tied_embeddings", "r", "lora_alpha", "ranks", "targets", "modules_to_save", "rank", "scale",
             "num_layers", "layers", "keys", "modules", "quant_types", "tensors", "chat_template", "lora_alpha",
             "quantization", "adapters", "made_by"]
