@@ -15,6 +15,7 @@ import re
 
 import pytest
 from real_tokenizers import FAMILIES, Family, Unreachable
+from tests_helpers import render_ollama
 
 pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
 RESULTS: list[str] = []
@@ -27,17 +28,6 @@ def _table(summary):
     yield
     if RESULTS:
         summary.append("real tokenizers in llama.cpp (tests/test_real_tokenizers.py):\n" + "\n".join(RESULTS))
-
-
-def render_ollama(template: str, system: str | None, prompt: str) -> str:
-    """An Ollama Modelfile TEMPLATE (the subset tuneport writes: ``{{ if .X }}A{{ else }}B{{ end }}``,
-    ``{{ if .X }}A{{ end }}`` and ``{{ .X }}``) rendered for one turn, cut where the response goes, as Ollama
-    renders a prompt."""
-    values = {"System": system or "", "Prompt": prompt}
-    text = template.split("{{ .Response }}")[0]
-    text = re.sub(r"{{ if \.(\w+) }}(.*?)(?:{{ else }}(.*?))?{{ end }}",
-                  lambda m: m[2] if values[m[1]] else (m[3] or ""), text, flags=re.S)
-    return re.sub(r"{{ \.(\w+) }}", lambda m: values[m[1]], text)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])

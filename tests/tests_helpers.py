@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -73,3 +74,14 @@ def llamacpp_gelu():
             GELUTanh.forward = original
 
     return patched()
+
+
+def render_ollama(template: str, system: str | None, prompt: str) -> str:
+    """An Ollama Modelfile TEMPLATE (the subset tuneport writes: ``{{ if .X }}A{{ else }}B{{ end }}``,
+    ``{{ if .X }}A{{ end }}`` and ``{{ .X }}``) rendered for one turn, cut where the response goes, as Ollama
+    renders a prompt."""
+    values = {"System": system or "", "Prompt": prompt}
+    text = template.split("{{ .Response }}")[0]
+    text = re.sub(r"{{ if \.(\w+) }}(.*?)(?:{{ else }}(.*?))?{{ end }}",
+                  lambda m: m[2] if values[m[1]] else (m[3] or ""), text, flags=re.S)
+    return re.sub(r"{{ \.(\w+) }}", lambda m: values[m[1]], text)

@@ -152,7 +152,11 @@ def modelfile(model_file: str, chat_template: str | None, adapter_file: str | No
     if chat_template:
         system = default_system(chat_template, fam) if fam else None
         template = fam.template if fam else None
-        if template is None or not single_turn_parity(template, system, chat_template, bos or "", eos or ""):
+        renders = render_chat(chat_template, [{"role": "user", "content": "Hi"}], bos or "", eos or "") is not None
+        if template is None or (renders and not single_turn_parity(template, system, chat_template, bos or "",
+                                                                     eos or "")):
+            # the family's template renders differently (or there is none): one translated from the chat template;
+            # a template tuneport cannot render keeps its family's, unchecked
             template, system = translate(chat_template, bos or "", eos or ""), None
         if template is None:
             warning = "chat template could not be rendered for Ollama: TEMPLATE omitted"
