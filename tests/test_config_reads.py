@@ -6,10 +6,10 @@ accepts it (recorded as an accepted risk)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import transformers
+from tests_helpers import base_with_config
 
 from tuneport.convert.config_audit import INERT_KEYS
 from tuneport.convert.config_reads import derive_read_set, judge_config, read_set
@@ -113,13 +113,10 @@ def test_attention_implementation_and_tool_metadata_export(cli, zoo, tmp_path, t
     """What fine-tuning tools and transformers' GGUF loader write (unsloth_version, _model_name_or_path,
     attn_implementation, a redundant head_dim) does not stop an export: the inert keys are named in the manifest's
     notes, and so is a redundant head_dim where no rule of the target carries it (mlx-lm's qwen2 has none)."""
-    base = tmp_path / "base"
-    shutil.copytree(zoo.base("qwen2"), base)
-    cfg = json.loads((base / "config.json").read_text())
-    cfg.update(unsloth_version="2026.4.2", unsloth_fixed=True, _model_name_or_path="model-Q8_0.gguf",
-               attn_implementation="flash_attention_2",
-               head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])
-    (base / "config.json").write_text(json.dumps(cfg))
+    cfg = json.loads((zoo.base("qwen2") / "config.json").read_text())
+    base = base_with_config(zoo.base("qwen2"), tmp_path / "base", unsloth_version="2026.4.2", unsloth_fixed=True,
+                            _model_name_or_path="model-Q8_0.gguf", attn_implementation="flash_attention_2",
+                            head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])
     pytest.importorskip("gguf" if target == "gguf" else "mlx_lm")
     code, stdout, err = cli("export", "--base", base, "--target", target, "--out", tmp_path / target, "--json",
                             *(["--quant", "f32"] if target == "gguf" else []))
@@ -132,10 +129,7 @@ def test_attention_implementation_and_tool_metadata_export(cli, zoo, tmp_path, t
 
 
 def test_a_read_key_without_a_rule_is_refused_then_accepted(cli, zoo, tmp_path):
-    base = tmp_path / "base"
-    shutil.copytree(zoo.base("llama"), base)
-    cfg = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**cfg, "attention_chunk_size": 2}))
+    base = base_with_config(zoo.base("llama"), tmp_path / "base", attention_chunk_size=2)
     out = tmp_path / "gguf"
     code, _, err = cli("export", "--base", base, "--target", "gguf", "--quant", "f32", "--out", out)
     assert code == 2 and not out.exists(), err

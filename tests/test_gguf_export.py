@@ -469,3 +469,13 @@ def test_the_manifest_records_the_load_check(zoo, tmp_path, cli):
                  "--adapter", f"plain={zoo.adapter('llama', 'plain')}", "--out", out)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["load_check"] == "loaded by llama.cpp: 2 model(s), 1 adapter(s)", (res, manifest.keys())
+
+
+def test_a_sentencepiece_tokenizer_without_its_model_file_says_so(zoo, tmp_path, cli):
+    """Only tokenizer.json of a SentencePiece tokenizer (as a GGUF-derived or pruned download has it): refused
+    naming the missing tokenizer.model, not with a BPE pre-tokenizer hint."""
+    base = tmp_path / "base"
+    shutil.copytree(zoo.base("llama"), base)
+    (base / "tokenizer.model").unlink()
+    refused(cli, tmp_path / "out", "--base", base, "--quant", "f32",
+            expect="is SentencePiece (byte fallback, ▁ for spaces) but its tokenizer.model is missing")

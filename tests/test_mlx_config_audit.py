@@ -36,12 +36,9 @@ def test_a_key_mlx_lm_would_drop_is_refused(cli, tmp_path, arch, overrides, reas
 
 def test_a_key_transformers_does_not_read_is_inert(cli, zoo, tmp_path):
     """Metadata nothing reads (a made-up key here; real ones in tests/test_real_configs.py) passes, noted."""
-    import shutil
+    from tests_helpers import base_with_config
 
-    base = tmp_path / "base"
-    shutil.copytree(zoo.base("llama"), base)
-    cfg = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**cfg, "attn_temperature": 0.5}))
+    base = base_with_config(zoo.base("llama"), tmp_path / "base", attn_temperature=0.5)
     code, stdout, err = cli("export", "--base", base, "--target", "mlx", "--out", tmp_path / "mlx", "--json")
     assert code == 0, err
     assert "config keys transformers' llama model does not read (inert): attn_temperature" in json.loads(stdout)[

@@ -320,14 +320,11 @@ def test_every_new_architecture_is_released_and_verified(zoo, tmp_path, arch):
 def test_an_accepted_config_key_is_an_accepted_risk_in_the_model_card(zoo, tmp_path):
     """A base whose config.json carries a key the GGUF audit refuses (read by transformers, no rule carries it):
     the recipe's accept_config_keys lets the release proceed, and the model card and manifest say so."""
-    import shutil
+    from tests_helpers import base_with_config
 
     from tuneport.toolkit.release import release
 
-    base = tmp_path / "base"
-    shutil.copytree(zoo.base("qwen2"), base)
-    cfg = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**cfg, "is_causal": True}))
+    base = base_with_config(zoo.base("qwen2"), tmp_path / "base", is_causal=True)
     recipe = write_recipe(tmp_path / "recipe.yaml", base, {"chat": zoo.adapter("qwen2", "plain")},
                           gates="{kl: 0.01}", targets="""
   - {type: gguf, quant: [f32], adapters: separate, accept_config_keys: [is_causal]}""")

@@ -85,3 +85,16 @@ def render_ollama(template: str, system: str | None, prompt: str) -> str:
     text = re.sub(r"{{ if \.(\w+) }}(.*?)(?:{{ else }}(.*?))?{{ end }}",
                   lambda m: m[2] if values[m[1]] else (m[3] or ""), text, flags=re.S)
     return re.sub(r"{{ \.(\w+) }}", lambda m: values[m[1]], text)
+
+
+def base_with_config(src, out, **changes):
+    """A copy of the model directory ``src`` at ``out`` with ``changes`` written into its config.json."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    out = Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return out

@@ -233,6 +233,11 @@ def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None) -> G
     if model.get("type") != "BPE":
         raise UserError(f"tokenizer in {model_dir} is {model.get('type')}, not BPE or SentencePiece",
                         "tuneport writes SentencePiece and byte-level BPE vocabularies")
+    if not bpe_pre and (model.get("byte_fallback") or any(
+            st.get("type") == "Metaspace" for st in _steps(tj.get("pre_tokenizer"), "pretokenizers"))):
+        raise UserError(f"the tokenizer in {model_dir} is SentencePiece (byte fallback, ▁ for spaces) but its "
+                        "tokenizer.model is missing: llama.cpp's SentencePiece vocabulary is written from it",
+                        "copy tokenizer.model from the base model's repository into the model directory")
     pre = bpe_pre or bpe_pre_from_tokenizer_json(tj)
     if pre is None:
         raise UserError(f"cannot identify the BPE pre-tokenizer of {model_dir} for llama.cpp",
