@@ -396,6 +396,9 @@ def test_modelfile_system_is_the_templates_default_system_prompt():
               "You are Smol.<|im_end|>\\n' }}{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     assert 'SYSTEM """You are Smol."""' in modelfile("m.gguf", chatml)[0]
+    # SmolLM2's bos_token is "<|im_start|>", which opens every turn: the template's text keeps it
+    smol = modelfile("m.gguf", chatml, eos="<|im_end|>", bos="<|im_start|>")[0]
+    assert 'SYSTEM """You are Smol."""' in smol and 'TEMPLATE """{{ if .System }}<|im_start|>system' in smol
     plain = chatml.replace("{% if loop.first and m['role'] != 'system' %}", "{% if false %}")
     assert "SYSTEM" not in modelfile("m.gguf", plain)[0]
     failing = "{{ raise_exception('no') }}<|im_start|><|im_end|>"

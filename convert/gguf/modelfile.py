@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 PROMPT_SENTINEL = "\x00tuneport-prompt\x00"
+BOS_SENTINEL = "\x00tuneport-bos\x00"
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,12 @@ def render_chat(chat_template: str, messages: list[dict], bos: str = "", eos: st
     (llama.cpp and Ollama add it themselves); None when the template refuses the chat."""
     try:
         text = _environment().from_string(chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=BOS_SENTINEL, eos_token=eos)
     except Exception as e:  # a template that needs more than transformers' basics, or refuses this chat
         log.debug("cannot render the chat template: %s", e)
         return None
-    return text[len(bos):] if bos and text.startswith(bos) else text
+    # only a BOS the template itself wrote is left out: SmolLM2's bos is "<|im_start|>", which also opens its turns
+    return text.removeprefix(BOS_SENTINEL).replace(BOS_SENTINEL, bos)
 
 
 def ollama_render(template: str, system: str, prompt: str) -> str:
