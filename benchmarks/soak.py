@@ -553,6 +553,9 @@ def run_soak(setup: Setup, seconds: float, concurrency: int = 16, warmup_s: floa
             time.sleep(0.5)  # the access log and counters of the last answers are written after they are sent
             listed = len(soak.call(c, "GET", "/v1/adapters").json()["adapters"])
             m1 = parse_metrics(soak.call(c, "GET", "/metrics").text)  # counted once its answer is sent
+    except httpx.TransportError as e:  # the server went away: say how, with what it last logged
+        raise RuntimeError(f"tuneport serve stopped answering ({e}); exit code {proc.poll()}, its log ends:\n"
+                           f"{log.read_text(errors='replace')[-4000:]}") from e
     finally:
         t = time.perf_counter()
         rc = stop_server(proc)
