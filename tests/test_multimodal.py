@@ -234,7 +234,8 @@ def test_serve_vllm_on_the_exported_base_like_peft(zoo, tmp_path):
     # fp32 as the reference: vLLM's "auto" runs an fp32 checkpoint in bf16, where this prompt's 8th token (PEFT's
     # margin 0.022 over the runner-up) flips
     server = tuneport.serve(base=bundle / "base", adapters={"a": adapter}, engine="vllm", max_adapters=2,
-                            dtype="fp32", max_model_len=256, vllm_args=["--enforce-eager"], log_file=tmp_path / "vllm.log", port=0)
+                            dtype="fp32", max_model_len=256, vllm_args=["--enforce-eager"],
+                            log_file=tmp_path / "vllm.log", port=0)
     try:
         got = {}
         for model in ("a", "base", "a"):
