@@ -15,8 +15,9 @@ TORCHVISION_OPS := tests/env/torchvision_cpu_ops.py
 # Non-native build: a native one dies with SIGILL in the AMX path on these VMs.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_SSE42=ON
 STAMP := $(VENV)/.tuneport-env
-# CI prints the slowest tests: its pytest run has a 30-minute budget.
-PYTEST_ARGS ?= --durations=40
+# CI's pytest run has a 30-minute budget on 2 cores: two workers (most tests wait on an engine's process), each
+# test module on one worker (its shared engines and fixtures built once); the slowest tests printed.
+PYTEST_ARGS ?= -n 2 --dist loadscope --durations=40
 
 .PHONY: setup demo test test-fast lint clean llama-wheel
 

@@ -437,17 +437,39 @@ def write_once(out: Path, write: Callable[[Path], None]) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        write(tmp)
+    with _writer_lock(out.with_name(f".{out.name}.lock")):  # a concurrent writer waits, then finds the entry
+        if out.exists():
+            return out
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            tmp.replace(out)
-        except OSError:
-            if not out.exists():
-                raise
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
+            write(tmp)
+            try:
+                tmp.replace(out)
+            except OSError:
+                if not out.exists():
+                    raise
+        finally:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            elif tmp.exists():
+                tmp.unlink()
     return out
+
+
+@contextlib.contextmanager
+def _writer_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (none where fcntl is missing: the rename alone keeps entries whole).
+    The file is removed after: a writer that comes later finds the entry and never takes the lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            fcntl.flock(f, fcntl.LOCK_UN)
