@@ -16,6 +16,7 @@ from tuneport.convert.arch import arch_for
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import adapter_for, cached_export, check_base
+from tuneport.convert.gguf.gpu import llamacpp_compute, n_gpu_layers
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
@@ -35,8 +36,9 @@ class LlamaCppBackend(InProcessBackend):
 
     def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
                  n_ctx: int = 2048, contexts: int = 1, kv_f32: bool = False, dtype: str = "auto",
-                 prompt_cache: bool = True) -> None:
+                 prompt_cache: bool = True, gpu_layers: int | str | None = None) -> None:
         name = model_name(base)  # from what the user gave: a hub id's name, not its snapshot's hash
+        n_gpu = n_gpu_layers(gpu_layers)  # refused on a CPU build before any conversion
         base = resolve_model_path(base)
         self.hf_base: Path | None = None
         if base.is_dir():
@@ -48,7 +50,7 @@ class LlamaCppBackend(InProcessBackend):
         else:
             raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
         self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_contexts=contexts, kv_f32=kv_f32,
-                                    prompt_cache=prompt_cache)
+                                    prompt_cache=prompt_cache, n_gpu_layers=n_gpu)
         super().__init__(name, max_adapters, adapter_dir)
         self.max_choices = self.llama.n_seq_max
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
@@ -61,7 +63,7 @@ class LlamaCppBackend(InProcessBackend):
     @classmethod
     def from_options(cls, opts) -> LlamaCppBackend:
         return cls.start(opts, n_ctx=opts.n_ctx, contexts=opts.contexts, kv_f32=opts.kv_f32, dtype=opts.dtype,
-                         prompt_cache=opts.prompt_cache)
+                         prompt_cache=opts.prompt_cache, gpu_layers=opts.gpu_layers)
 
     @staticmethod
     def _cached_gguf(hf_dir: Path, quant: str) -> Path:
@@ -141,7 +143,8 @@ class LlamaCppBackend(InProcessBackend):
     def describe(self) -> dict:
         return {**super().describe(), "gguf": str(self.llama.model_path), "n_ctx": self.llama.n_ctx,
                 "contexts": self.llama.n_contexts, "threads": self.llama.n_threads,
-                "prompt_cache": self.llama.prompt_cache}
+                "prompt_cache": self.llama.prompt_cache, "gpu_layers": self.llama.n_gpu_layers,
+                "compute": llamacpp_compute().label}
 
     def counters(self) -> dict[str, int]:
         return self.llama.cache_stats

@@ -6,6 +6,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
+from tuneport.convert.gguf.gpu import parse_gpu_layers
 from tuneport.convert.options import DTYPES, AdapterSpec, check_choice, model_name
 
 from .pool import check_name
@@ -66,6 +67,7 @@ class ServeOptions:
     contexts: int = 1  # the most llama.cpp contexts the decode loop creates (adapter sets each on their own)
     prompt_cache: bool = True  # keep finished sequences' KV cells for reuse under the same adapter set
     kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
+    gpu_layers: int | str | None = None  # layers in VRAM: "all", N, or None (all on a GPU build of llama.cpp, else 0)
     # vLLM
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
@@ -92,6 +94,7 @@ class ServeOptions:
         self.log_file = Path(self.log_file) if self.log_file else None
         self.tabby_dir = Path(self.tabby_dir).expanduser() if self.tabby_dir else None
         self.vllm_args = list(self.vllm_args)
+        self.gpu_layers = parse_gpu_layers(self.gpu_layers)
         check_choice("--engine", self.engine, ("auto", *ENGINES))
         check_choice("--dtype", self.dtype, DTYPES)
         check_choice("--vllm-base-guard", self.vllm_base_guard, BASE_GUARD)

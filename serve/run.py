@@ -270,7 +270,7 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
                 plans[name] = policy.memory_plan(
                     name, artifact, dataclasses.replace(load, context_len=opts.n_ctx), contexts=opts.contexts,
                     adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup], dtype=opts.dtype,
-                    kv_bytes_per_elem=4 if opts.kv_f32 else None)
+                    kv_bytes_per_elem=4 if opts.kv_f32 else None, gpu_layers=_planned_gpu_layers(opts, notes))
             elif name == "exllamav3":
                 plans[name] = policy.memory_plan(name, artifact, dataclasses.replace(load, context_len=opts.n_ctx))
             elif name == "mlx":
@@ -303,6 +303,20 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
     if engine == "exllamav3":
         commands.append(_tabby_command(opts, path))
     return policy.dry_run(decision, plans, commands, notes)
+
+
+def _planned_gpu_layers(opts: ServeOptions, notes: list[str]) -> int:
+    """llama.cpp's n_gpu_layers the plan counts: as serve would resolve it here, or as asked (with a note) where
+    this machine's llama.cpp could not offload it."""
+    from tuneport.convert.gguf.gpu import ALL, n_gpu_layers
+
+    if not engine_spec("llamacpp").installed():
+        return -1 if opts.gpu_layers == ALL else int(opts.gpu_layers or 0)
+    try:
+        return n_gpu_layers(opts.gpu_layers)
+    except UserError as e:
+        notes.append(f"llama.cpp: {e.line()}")
+        return -1 if opts.gpu_layers == ALL else int(opts.gpu_layers)
 
 
 def _tabby_command(opts: ServeOptions, model: Path) -> dict:

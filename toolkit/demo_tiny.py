@@ -20,7 +20,7 @@ from .progress import stdout
 console = stdout
 
 
-def run_tiny_demo(out: Path) -> dict:
+def run_tiny_demo(out: Path, gpu_layers: int | str | None = None) -> dict:
     """The tiny demo into ``out`` (a new or empty directory)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -64,10 +64,12 @@ def run_tiny_demo(out: Path) -> dict:
                   + ", Modelfile, Modelfile.chat, Modelfile.style")
     gguf_fidelity = {}
     try:
+        from tuneport.convert.gguf.gpu import n_gpu_layers
+
         from .fidelity import llamacpp_logits, llamacpp_model
 
         for name, rel in gm["loras"].items():
-            llm = llamacpp_model(model_file, gguf_dir / rel)
+            llm = llamacpp_model(model_file, gguf_dir / rel, n_gpu_layers=n_gpu_layers(gpu_layers))
             try:
                 got = llamacpp_logits(llm, ids[0].tolist())
             finally:
@@ -81,7 +83,7 @@ def run_tiny_demo(out: Path) -> dict:
 
     served = {}
     try:
-        served = _serve_demo(model_file, gguf_dir, gm["loras"])
+        served = _serve_demo(model_file, gguf_dir, gm["loras"], gpu_layers)
     except ImportError:
         console.print("llama-cpp-python is not installed: skipped serving")
 
@@ -94,14 +96,15 @@ def run_tiny_demo(out: Path) -> dict:
             "fidelity": cmp.as_dict(), "gguf_fidelity": gguf_fidelity, "served": served}
 
 
-def _serve_demo(model_file: Path, gguf_dir: Path, loras: dict[str, str]) -> dict[str, str]:
+def _serve_demo(model_file: Path, gguf_dir: Path, loras: dict[str, str], gpu_layers: int | str | None = None
+                ) -> dict[str, str]:
     """Serve the GGUF base with both LoRAs (what tuneport serve runs) and ask each the same question."""
     import httpx
 
     console.rule("[bold]5. tuneport serve --engine llamacpp: one base, adapters picked per request")
     answers = {}
     with serve(base=model_file, adapters={n: gguf_dir / p for n, p in loras.items()}, engine="llamacpp",
-                        max_adapters=4, n_ctx=128, contexts=1, port=0) as server:
+                        max_adapters=4, n_ctx=128, contexts=1, gpu_layers=gpu_layers, port=0) as server:
         for model in [server.backend.name, *loras]:
             r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                            json={"model": model, "prompt": "The model merges", "max_tokens": 12, "temperature": 0})

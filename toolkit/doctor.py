@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from tuneport.convert.mlx import INSTALL_HINT as MLX_INSTALL_HINT
+from tuneport.serve.policy.hardware import apple_silicon
 from tuneport.serve.registry import ENGINES
 
 PACKAGES = {
@@ -86,6 +87,25 @@ def mlx_status(pkgs: dict[str, str | None]) -> dict:
             "reason": "" if serves else "this version of tuneport has no serve --engine mlx"}
 
 
+def llamacpp_status(version: str | None, cuda: dict | None) -> dict | None:
+    """What the loaded llama.cpp computes on (CPU, CUDA, Metal, Vulkan, ...), its devices, the --gpu-layers
+    default that follows, and how to build llama-cpp-python for a GPU this machine has but the build lacks."""
+    if not version:
+        return None
+    from tuneport.convert.gguf.gpu import BACKEND_BUILDS, llamacpp_compute
+
+    try:
+        compute = llamacpp_compute()
+    except (OSError, AttributeError) as e:  # a library that does not load: say why, doctor goes on
+        return {"backend": None, "reason": f"llama-cpp-python does not load: {e}"}
+    out = {**compute.to_dict(), "default_gpu_layers": "all" if compute.gpu_offload else 0, "build_hint": ""}
+    wanted = ("CUDA" if cuda and cuda.get("available") and not cuda.get("hip") else
+              "Metal" if apple_silicon() else None)
+    if wanted and compute.gpu_backend != wanted:
+        out["build_hint"] = f"this machine has a {wanted} GPU the llama.cpp build cannot use: {BACKEND_BUILDS[wanted]}"
+    return out
+
+
 def doctor_report() -> dict:
     pkgs = {d: _version(d, m) for d, m in PACKAGES.items()}
     cuda = None
@@ -93,6 +113,7 @@ def doctor_report() -> dict:
         import torch
 
         cuda = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
+                "hip": getattr(torch.version, "hip", None),
                 "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     engines = {}
     for spec in ENGINES.values():  # the engines tuneport serves, from the registry
@@ -126,6 +147,7 @@ def doctor_report() -> dict:
         "vllm_known_bugs": bugs,
         "vllm_w4a16_cpu": {"ok": w4a16 is None, "reason": w4a16 or ""},
         "mlx": mlx_status(pkgs),
+        "llamacpp": llamacpp_status(pkgs["llama-cpp-python"], cuda),
     }
 
 
@@ -148,7 +170,20 @@ def format_doctor(r: dict) -> str:
     mlx = r.get("mlx")
     if mlx:
         lines.append(_mlx_line(mlx))
+    lc = r.get("llamacpp")
+    if lc:
+        lines.append(_llamacpp_line(lc))
     return "\n".join(lines)
+
+
+def _llamacpp_line(lc: dict) -> str:
+    if lc.get("backend") is None:
+        return f"llama.cpp: no: {lc['reason']}"
+    gpus = [f"{d['name']} ({d['description']}, {d['total_bytes'] / 2**30:.1f} GiB)" for d in lc["devices"]
+            if d["kind"] in ("gpu", "igpu")]
+    line = (f"llama.cpp backend: {lc['backend']}" + (f" on {', '.join(gpus)}" if gpus else "")
+            + f"; serve/verify default --gpu-layers {lc['default_gpu_layers']}")
+    return line + (f"\n  {lc['build_hint']}" if lc["build_hint"] else "")
 
 
 def _mlx_line(m: dict) -> str:

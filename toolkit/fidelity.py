@@ -104,9 +104,9 @@ def llamacpp_greedy(path: Path | str, lora: Path | str | None, prompt: list[int]
         llm.close()
 
 
-def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int = 128):
-    """llama.cpp (llama-cpp-python) set up for parity runs: F32 KV cache, flash attention off,
-    logits for every position. Close it with ``.close()``."""
+def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int = 128, n_gpu_layers: int = 0):
+    """llama.cpp (llama-cpp-python) set up for parity runs: F32 KV cache, flash attention off, logits for every
+    position; ``n_gpu_layers`` as llama.cpp takes it (-1: all, see convert.gguf.gpu). Close it with ``.close()``."""
     import llama_cpp
 
     from tuneport.convert.gguf.runtime import llamacpp_logging
@@ -114,7 +114,8 @@ def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int 
     with llamacpp_logging():
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                                type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
-                               n_gpu_layers=0, lora_path=str(lora) if lora else None, verbose=False, n_threads=2)
+                               n_gpu_layers=n_gpu_layers, lora_path=str(lora) if lora else None, verbose=False,
+                               n_threads=2)
 
 
 def llamacpp_logits(llm, ids: list[int]) -> torch.Tensor:

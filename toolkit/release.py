@@ -22,6 +22,7 @@ from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_m
 from tuneport.convert.errors import FidelityError, UserError
 from tuneport.convert.exl3.converter import requirements as exl3_requirements
 from tuneport.convert.export import check_base, export, merge
+from tuneport.convert.gguf.gpu import n_gpu_layers
 from tuneport.convert.io import content_digest, sha256_file
 from tuneport.convert.options import coerce_options
 
@@ -40,6 +41,7 @@ class ReleaseOptions:
     out: Path | None = None  # default: release-<name>-<version> beside the current directory
     push: bool = False  # upload to the recipe's publish.repo (huggingface_hub)
     dry_run: bool = False  # with push: print the exact upload, touch no network
+    gpu_layers: int | str | None = None  # GGUF verification: llama.cpp's layers in VRAM (None: all on a GPU build)
 
 
 def _label(target, seen: set[str]) -> str:
@@ -67,6 +69,8 @@ class Release:
         r: Recipe = self.recipe
         if opts.dry_run and not opts.push:
             raise UserError("--dry-run applies to --push", "add --push, or drop --dry-run")
+        if opts.gpu_layers is not None:  # refused before any export where llama.cpp has no GPU backend
+            n_gpu_layers(opts.gpu_layers)
         if opts.push and r.publish is None:
             raise UserError(f"{self.recipe_path.name} has no publish: section", "add publish: {repo: org/name}")
         if opts.push and not opts.dry_run:
@@ -193,7 +197,8 @@ class Release:
                 report = verify(artifact=artifact, reference=reference,
                                 adapter=str(self.adapters[name]) if name else ref_adapter, lora=lora,
                                 eval_file=self.eval_file, tokens=self.recipe.eval.tokens,
-                                gates=self.recipe.gates.for_artifact(quant), default_gates=False)
+                                gates=self.recipe.gates.for_artifact(quant), default_gates=False,
+                                gpu_layers=self.opts.gpu_layers if artifact.suffix == ".gguf" else None)
                 found.append({
                     "target": label, "path": artifact.relative_to(self.out).as_posix(), "quant": quant,
                     "lora": lora.relative_to(self.out).as_posix() if lora else None, "adapter": name,

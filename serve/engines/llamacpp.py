@@ -120,8 +120,8 @@ class _Context:
 
 class LlamaCppEngine:
     def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_contexts: int = 1, n_threads: int | None = None,
-                 kv_f32: bool = False, n_seq_max: int = 8, prompt_cache: bool = True, cache_entries: int = 8
-                 ) -> None:
+                 kv_f32: bool = False, n_seq_max: int = 8, prompt_cache: bool = True, cache_entries: int = 8,
+                 n_gpu_layers: int = 0) -> None:
         import llama_cpp
 
         self.lc = llama_cpp
@@ -135,7 +135,8 @@ class LlamaCppEngine:
         self._logging.enter_context(llamacpp_logging())
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
-        mp.n_gpu_layers = 0
+        mp.n_gpu_layers = n_gpu_layers  # -1: all (see convert.gguf.gpu)
+        self.n_gpu_layers = n_gpu_layers
         with llamacpp_errors() as errors:
             self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
         if not self.model:

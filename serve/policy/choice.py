@@ -77,10 +77,11 @@ RULES: tuple[Rule, ...] = (
     Rule("hf-gpu-busy", ("hf",), GPU, "busy", "vllm",
          "many requests or adapters on a GPU: vLLM batches them (paged KV cache, multi-LoRA kernels)"),
     Rule("hf-gpu-light", ("hf",), GPU, "light", "vllm",
-         "vLLM even for one user: it serves the safetensors on the GPU as they are, while tuneport's "
-         "llama.cpp engine runs on the CPU after a GGUF conversion"),
+         "vLLM even for one user: it serves the safetensors on the GPU as they are, where llama.cpp would "
+         "first convert them to GGUF"),
     Rule("hf-gpu-no-vllm", ("hf",), GPU, "any", "llamacpp",
-         "vLLM is not installed: llama.cpp serves it on the CPU (converted once to F16 GGUF), the GPU stays idle",
+         "vLLM is not installed: llama.cpp serves it (converted once to F16 GGUF), its layers on the GPU where "
+         "llama-cpp-python was built for it (tuneport doctor), else on the CPU",
          missing="vllm"),
     Rule("quantized-no-vllm", QUANTIZED, ANY_ACCEL, "any", None,
          "{fmt} checkpoints load only in vLLM (llama.cpp cannot read them) and vLLM is not installed",

@@ -24,8 +24,9 @@ VLLM_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half
 @dataclass
 class MemoryPlan:
     """Bytes an engine needs for the load. ``total`` = weights + kv_cache + adapters (device memory: GPU
-    for vLLM / ExLlamaV3, RAM for llama.cpp); ``host``: adapter copies vLLM keeps in CPU memory;
-    ``per_gpu``: the share of one GPU under tensor/pipeline parallelism (None: one device)."""
+    for vLLM / ExLlamaV3, RAM for llama.cpp on the CPU); ``host``: adapter copies vLLM keeps in CPU memory, or
+    what llama.cpp keeps in RAM beside its offloaded layers; ``per_gpu``: the share of one GPU under
+    tensor/pipeline parallelism, or llama.cpp's VRAM with --gpu-layers (None: one device, or none)."""
 
     engine: str
     weights: int
@@ -122,7 +123,30 @@ def plan_llamacpp(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
                "adapters": f"Σ {len(o['adapter_bytes'])} GGUF LoRA sizes (F32: 2× a bf16 PEFT file, "
                            f"1× an fp32 one) = {_n(adapters)}",
                "total": "weights + kv_cache + adapters in RAM (plus llama.cpp's compute buffers)"}
-    return MemoryPlan("llamacpp", weights, kv, adapters, weights + kv + adapters, 0, None, formula)
+    total = weights + kv + adapters
+    if not o["gpu_layers"]:
+        return MemoryPlan("llamacpp", weights, kv, adapters, total, 0, None, formula)
+    vram, how = _llamacpp_vram(a, o["gpu_layers"], weights, kv, adapters)
+    formula["total"] = "weights + kv_cache + adapters: per_gpu in VRAM, host in RAM (plus compute buffers on each)"
+    formula["per_gpu"], formula["host"] = how, f"total - per_gpu = {_n(total - vram)}"
+    return MemoryPlan("llamacpp", weights, kv, adapters, total, total - vram, vram, formula)
+
+
+def _llamacpp_vram(a: ArtifactInfo, n_gpu: int, weights: int, kv: int, adapters: int) -> tuple[int, str]:
+    """VRAM of llama.cpp's offloaded layers (``n_gpu`` = n_gpu_layers, -1: all): their share of the repeating
+    layers' weights, KV cells and LoRA tensors, plus the output layer (the token embeddings stay in RAM)."""
+    from tuneport.convert.gguf.gpu import offloaded_layers
+
+    layers, output = offloaded_layers(n_gpu, a.n_layers)
+    per_param = weights / max(1, a.params)
+    table = int(a.vocab_size * a.hidden_size * per_param)  # the embeddings, and the output layer (or its tied copy)
+    per_layer = max(0, weights - 2 * table) / max(1, a.n_layers)
+    share = layers / max(1, a.n_layers)
+    vram = int(layers * per_layer + (table if output else 0) + share * (kv + adapters))
+    spec = "all" if n_gpu < 0 else str(n_gpu)
+    return vram, (f"--gpu-layers {spec}: {layers}/{a.n_layers} layers × {_n(int(per_layer))} bytes"
+                  + (f" + the output layer {_n(table)}" if output else "")
+                  + f" + {layers}/{a.n_layers} of the KV cache and adapters = {_n(vram)}")
 
 
 MLX_KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens per request
@@ -157,19 +181,20 @@ def plan_mlx(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
 def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter_bytes: Sequence[int] = (),
                 max_lora_rank: int = 16, adapter_slots: int | None = None, kv_bytes_per_elem: int | None = None,
                 contexts: int = 1, seqs_per_context: int = LLAMACPP_SEQS_PER_CONTEXT, dtype: str | None = None,
-                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> MemoryPlan:
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, gpu_layers: int = 0) -> MemoryPlan:
     """Weights + KV cache + adapters for ``engine`` (see ``MemoryPlan.formula`` for each number).
 
     ``adapter_bytes``: each adapter as the engine holds it (``adapter_nbytes``); ``adapter_slots``:
     vLLM's --max-loras (default: min(adapters, concurrency), at least 1); ``kv_bytes_per_elem``: default
     the model dtype for vLLM and MLX, 2 (F16) for llama.cpp; ``contexts``: the most llama.cpp contexts; ``dtype``:
     vLLM's --dtype (vLLM's names), or tuneport's --dtype for llama.cpp and MLX (what an HF base is
-    converted to)."""
+    converted to); ``gpu_layers``: llama.cpp's n_gpu_layers (-1: all), its VRAM in ``per_gpu``."""
     spec = engine_spec(engine)
     slots = adapter_slots or max(1, min(load.n_adapters, load.concurrency))
     opts = dict(adapter_bytes=list(adapter_bytes), max_lora_rank=max_lora_rank, adapter_slots=slots,
                 kv_bytes_per_elem=kv_bytes_per_elem, contexts=contexts, seqs_per_context=seqs_per_context,
-                dtype=dtype, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+                dtype=dtype, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                gpu_layers=gpu_layers)
     return spec.load_planner()(artifact, load, opts)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tuneport.convert.errors import UserError
+from tuneport.convert.gguf.gpu import n_gpu_layers
 from tuneport.convert.gguf.read import is_lora, open_gguf
 from tuneport.convert.gguf.tokenizer_check import GGUFTokenizer
 
@@ -18,8 +19,9 @@ from ..fidelity import llamacpp_logits, llamacpp_model
 class GGUFRunner:
     engine = "llama.cpp"
     exact_logits = True  # logits, so max |Δlogit| is measured
+    engine_options = ("gpu_layers",)  # VerifyOptions fields only this runner takes
 
-    def __init__(self, model: Path, lora: Path | None, n_ctx: int) -> None:
+    def __init__(self, model: Path, lora: Path | None, n_ctx: int, gpu_layers: int | str | None = None) -> None:
         try:
             import llama_cpp  # noqa: F401
         except ImportError as e:
@@ -30,9 +32,10 @@ class GGUFRunner:
                             "pass the model file as ARTIFACT and the LoRA with --lora")
         if lora is not None and not is_lora(open_gguf(lora)):
             raise UserError(f"--lora {lora.name} is not a GGUF LoRA", "pass a file written as a GGUF adapter")
-        self.llm = llamacpp_model(model, lora, n_ctx=n_ctx)
+        n_gpu = n_gpu_layers(gpu_layers)
+        self.llm = llamacpp_model(model, lora, n_ctx=n_ctx, n_gpu_layers=n_gpu)
         self.vocab = GGUFTokenizer(model, self.llm)  # its tokenizer, chat template and special ids
-        self.plain = llamacpp_model(model, None, n_ctx=n_ctx) if lora is not None else None
+        self.plain = llamacpp_model(model, None, n_ctx=n_ctx, n_gpu_layers=n_gpu) if lora is not None else None
 
     def logits(self, ids: list[int], with_lora: bool = True) -> torch.Tensor:
         return llamacpp_logits(self.llm if with_lora or self.plain is None else self.plain, ids)

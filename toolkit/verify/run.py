@@ -30,6 +30,7 @@ class VerifyOptions:
     greedy_tokens: int = 16
     gates: list[str] = field(default_factory=list)  # METRIC<=X, METRIC>=X or a check, on top of the defaults
     default_gates: bool = True  # tokenizer, chat_template, special_tokens, strength_error<=0.1
+    gpu_layers: int | str | None = None  # GGUF: layers llama.cpp keeps in VRAM (None: all on a GPU build, else 0)
 
 
 @dataclass
@@ -126,8 +127,13 @@ def verify(options: VerifyOptions | None = None, /, **fields) -> VerifyReport:
         raise UserError("--lora needs --adapter", "pass the PEFT adapter the GGUF LoRA was made from")
     runner_cls = _runner_for(opts)
     # the engine and the artifact are checked before the reference's fp32 run (minutes on a big model)
+    engine_options = getattr(runner_cls, "engine_options", ())
+    if opts.gpu_layers is not None and "gpu_layers" not in engine_options:
+        raise UserError(f"--gpu-layers applies to GGUF files (llama.cpp), not to {runner_cls.engine}'s artifacts",
+                        "drop --gpu-layers")
     runner = runner_cls(Path(opts.artifact), Path(opts.lora) if opts.lora else None,
-                        n_ctx=max(64, opts.tokens + opts.greedy_tokens + 8))
+                        n_ctx=max(64, opts.tokens + opts.greedy_tokens + 8),
+                        **{k: getattr(opts, k) for k in engine_options})
     try:
         ref = reference(opts.reference, opts.adapter, opts.eval_file, opts.tokens, opts.greedy_tokens)
         if hasattr(runner, "prepare"):  # engines that answer everything in one run
