@@ -133,10 +133,14 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
         raise RuntimeError(f"{url} did not come up")
 
 
+GPU_LAYERS = {"gpu_layers": "0"}  # --gpu-layers: both servers' layers on the GPU ("all") or the CPU ("0")
+
+
 def start_llama_server(binary: Path, model: Path, loras: list[Path], threads: int, port: int) -> Server:
+    ngl = "999" if GPU_LAYERS["gpu_layers"] == "all" else GPU_LAYERS["gpu_layers"]  # every layer, output included
     proc = subprocess.Popen([str(binary), "-m", str(model), *sum((["--lora", str(p)] for p in loras), []),
                              "--lora-init-without-apply", "-np", str(SLOTS), "-c", str(N_CTX * SLOTS), "-t",
-                             str(threads), "-tb", str(threads), "--port", str(port), "-ngl", "0"],
+                             str(threads), "-tb", str(threads), "--port", str(port), "-ngl", ngl],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = Server("llama-server", f"http://127.0.0.1:{port}", proc, "/completion",
                     [str(i) for i in range(len(loras))], "")
@@ -149,6 +153,7 @@ def start_tuneport(model: Path, loras: list[Path], port: int, contexts: int | No
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
                              *sum((["--adapter", f"{n}={p}"] for n, p in zip(names, loras, strict=True)), []),
                              "--max-adapters", str(len(loras)), "--port", str(port), "--n-ctx", str(N_CTX),
+                             "--gpu-layers", GPU_LAYERS["gpu_layers"],
                              *(["--contexts", str(contexts)] if contexts else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     label = "tuneport serve" if contexts is None else f"tuneport serve, {contexts} context(s)"
@@ -275,7 +280,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, help="llama-server binary for the side-by-side comparison")
     ap.add_argument("--compare-contexts", action="store_true", help="also run tuneport serve --contexts 8")
+    ap.add_argument("--gpu-layers", default="0", help="both servers: 'all' (llama-server -ngl 999) or a count")
+    ap.add_argument("--json-out", type=Path, help="also write the tables as JSON here")
     args = ap.parse_args()
+    GPU_LAYERS["gpu_layers"] = args.gpu_layers
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.llama_server:
         args.llama_server = args.llama_server.resolve()
@@ -289,7 +297,12 @@ def main() -> None:
         all_loops += loops
         all_ttft += [[key, *r] for r in ttft_rows]
         sizes.append(f"{key}: {size}")
-    print(f"machine: {machine()}; {threads} threads per server (physical cores), {SLOTS} sequences")
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps({"machine": machine(), "gpu_layers": args.gpu_layers, "rows": all_rows,
+                                             "ttft": all_ttft, "contexts": all_loops, "sizes": sizes}, indent=1))
+    print(f"machine: {machine()}; {threads} threads per server (physical cores), {SLOTS} sequences, "
+          f"--gpu-layers {args.gpu_layers}")
     print("\n".join(sizes) + f"; {args.max_tokens} tokens per request\n")
     print(table(all_rows, ["model", "conc", "traffic", "tuneport tok/s", "llama-server tok/s", "vs llama-server",
                            "vs own base-only", "tuneport p99/p50", "llama-server p99/p50"]))
