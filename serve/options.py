@@ -10,17 +10,9 @@ from tuneport.convert.gguf.gpu import parse_gpu_layers
 from tuneport.convert.options import DTYPES, AdapterSpec, check_choice, model_name
 
 from .pool import check_name
-from .registry import ENGINES
+from .registry import ENGINES, option_flag
 
 BASE_GUARD = ("auto", "on", "off")
-
-
-FLAG_SPELLING = {"vllm_args": "arguments after --", "prompt_cache": "--no-prompt-cache"}
-
-
-def option_flag(field_name: str) -> str:
-    """The command-line spelling of a ServeOptions field."""
-    return FLAG_SPELLING.get(field_name) or "--" + field_name.replace("_", "-")
 
 
 def parse_named(specs: list[str] | dict[str, str | Path]) -> dict[str, str]:

@@ -51,10 +51,21 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
                         "max_loras", "engine_port", "vllm_base_guard", "log_file", "restart_engine", "vllm_args")),
     EngineSpec("mlx", "MLX LM", "mlx_lm", "pip install 'tuneport[mlx]'", ("hf", "mlx"), "mlx_backend:MlxBackend",
                "policy.plan:plan_mlx", options=("n_ctx", "max_prompt_tokens")),
-    EngineSpec("exllamav3", "ExLlamaV3", "exllamav3", "on a CUDA host: pip install exllamav3, and a TabbyAPI checkout "
-               "(--tabby-dir)", ("exl3",), "exllamav3_backend:ExllamaV3Backend", "policy.plan:plan_exllamav3",
-               options=("n_ctx", "tabby_dir", "engine_port", "log_file")),
+    EngineSpec("exllamav3", "ExLlamaV3", "exllamav3", "on a CUDA host: pip install exllamav3 (served in process, "
+               "adapters at run time; or through a TabbyAPI checkout, without adapters: --tabby-dir)", ("exl3",),
+               "exllamav3_backend:ExllamaV3Backend", "policy.plan:plan_exllamav3",
+               options=("n_ctx", "max_prompt_tokens", "tabby_dir", "engine_port", "log_file")),
 )}
+
+
+FORMAT_LABELS = {"gguf": "GGUF", "hf": "HF safetensors", "awq": "AWQ", "compressed-tensors": "compressed-tensors",
+                 "gptq": "GPTQ", "exl3": "EXL3", "mlx": "MLX"}  # how users name each artifact format
+FLAG_SPELLING = {"vllm_args": "arguments after --", "prompt_cache": "--no-prompt-cache"}
+
+
+def option_flag(field_name: str) -> str:
+    """The command-line spelling of a ServeOptions field."""
+    return FLAG_SPELLING.get(field_name) or "--" + field_name.replace("_", "-")
 
 
 def _resolve(ref: str) -> Any:
@@ -71,8 +82,6 @@ def engine_spec(name: str) -> EngineSpec:
 
 def check_serves(engine: str, fmt: str, what: str) -> None:
     """Refuse an engine for an artifact format it does not serve, naming the engines that do."""
-    from .policy.choice import FORMAT_LABELS
-
     spec = engine_spec(engine)
     if fmt not in spec.formats:
         others = [e.name for e in ENGINES.values() if fmt in e.formats]
@@ -83,8 +92,6 @@ def check_serves(engine: str, fmt: str, what: str) -> None:
 
 def check_engine_options(opts, engine: str) -> None:
     """Refuse options that only another engine honours, when set to something other than their default."""
-    from .options import option_flag
-
     mine, given = engine_spec(engine).options, opts.changed()
     for other in ENGINES.values():
         for key in other.options:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tuneport.convert.errors import UserError
 
+from ..registry import FORMAT_LABELS
 from .artifact import FORMATS, ArtifactInfo
 from .hardware import INSTALL_HINTS, Hardware
 
@@ -31,8 +32,6 @@ GPU = ("cuda", "rocm")
 APPLE = ("metal",)  # Apple Silicon
 ANY_ACCEL = ("cuda", "rocm", "metal", "none")
 QUANTIZED = ("awq", "compressed-tensors", "gptq")
-FORMAT_LABELS = {"gguf": "GGUF", "hf": "HF safetensors", "awq": "AWQ", "compressed-tensors": "compressed-tensors",
-                 "gptq": "GPTQ", "exl3": "EXL3", "mlx": "MLX"}
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,11 @@ RULES: tuple[Rule, ...] = (
     Rule("mlx", ("mlx",), ANY_ACCEL, "any", "mlx", "an MLX directory runs on MLX LM (the Apple Silicon GPU, or "
          "mlx's CPU build elsewhere)"),
     Rule("exl3", ("exl3",), ("cuda",), "any", "exllamav3",
-         "EXL3 weights run on ExLlamaV3 (TabbyAPI on the CUDA GPU), adapters merged into them"),
+         "EXL3 weights run on ExLlamaV3 on the CUDA GPU: in process with adapters at run time (exllamav3's LoRA), "
+         "or TabbyAPI (--tabby-dir) without"),
     Rule("exl3-no-exllamav3", ("exl3",), ("cuda",), "any", None,
          "EXL3 weights run only on ExLlamaV3 and exllamav3 is not installed", missing="exllamav3",
-         hint="pip install exllamav3 and clone TabbyAPI (tuneport serve --engine exllamav3 --tabby-dir DIR)"),
+         hint="pip install exllamav3 (tuneport serve --engine exllamav3; TabbyAPI optional: --tabby-dir DIR)"),
     Rule("exl3-no-cuda", ("exl3",), ANY_ACCEL, "any", None,
          "EXL3 weights run only on ExLlamaV3, which needs a CUDA GPU",
          hint="on this machine serve a GGUF (tuneport export --target gguf), HF safetensors, AWQ or MLX export of "
