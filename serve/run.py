@@ -272,7 +272,8 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
                     adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup], dtype=opts.dtype,
                     kv_bytes_per_elem=4 if opts.kv_f32 else None, gpu_layers=_planned_gpu_layers(opts, notes))
             elif name == "exllamav3":
-                plans[name] = policy.memory_plan(name, artifact, dataclasses.replace(load, context_len=opts.n_ctx))
+                plans[name] = policy.memory_plan(name, artifact, dataclasses.replace(load, context_len=opts.n_ctx),
+                                                 adapter_bytes=[policy.adapter_nbytes(p, name) for p in startup])
             elif name == "mlx":
                 plans[name] = policy.memory_plan(
                     name, artifact, dataclasses.replace(load, context_len=opts.n_ctx),
@@ -300,7 +301,7 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
             notes.append(f"base requests go to vLLM as the zero adapter {GUARD_ADAPTER!r} "
                          f"(known bug: {vllm_plan.bugs[0].key}, {vllm_plan.bugs[0].upstream}); "
                          "one extra LoRA slot holds it")
-    if engine == "exllamav3":
+    if engine == "exllamav3" and opts.tabby_dir is not None:
         commands.append(_tabby_command(opts, path))
     return policy.dry_run(decision, plans, commands, notes)
 

@@ -1,6 +1,8 @@
 """ExLlamaV3 as tuneport's engine for EXL3 without CUDA: TabbyAPI's config as TabbyAPI documents it, the
-refusals `serve --engine exllamav3` gives before starting anything (adapters to pool, no TabbyAPI, no CUDA),
-its `--dry-run` plan, the engine policy, and an EXL3 recipe target recorded as "not measured: needs CUDA"."""
+refusals `serve --engine exllamav3` gives before starting anything (adapters to TabbyAPI, no exllamav3, no CUDA),
+its `--dry-run` plan (adapters in process), the in-process engine's scheduling of adapter sets, the engine policy,
+and an EXL3 recipe target recorded as "not measured: needs CUDA". The engine itself runs only on CUDA
+(benchmarks/gpu/exllamav3_adapters.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 from test_exl3 import write_exl3
 
 from tuneport.convert.exl3.tabby import CACHE_QUANTUM, DOCUMENTED_KEYS, tabby_config, write_tabby_config
@@ -35,11 +38,65 @@ def test_tabby_config_uses_only_documented_keys(tmp_path):
         tabby_config(tmp_path / "m", 256, cache_mode="Q5")
 
 
-def test_serve_exllamav3_refuses_adapters_to_pool(exl3_model, zoo, cli):
-    for extra in (["--adapter", f"a={zoo.adapter('llama', 'plain')}"], ["--adapter-dir", str(exl3_model.parent)]):
-        code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--dry-run", *extra)
+def test_serve_exllamav3_plans_adapters_in_process_and_refuses_them_on_tabby(exl3_model, zoo, cli, tmp_path):
+    """Adapters are served in process (exllamav3's run-time LoRA); TabbyAPI (--tabby-dir) loads none."""
+    adapter = zoo.adapter("llama", "plain")
+    code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--adapter", f"a={adapter}",
+                         "--dry-run", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    plan = r["plans"]["exllamav3"]
+    numel = sum(t.numel() for t in load_file(str(adapter / "adapter_model.safetensors")).values())
+    assert plan["adapters"] == 2 * numel and plan["total"] == plan["weights"] + plan["kv_cache"] + 2 * numel
+    assert len(r["commands"]) == 1 and "TabbyAPI" not in r["commands"][0]["what"]  # no child server
+    for extra in (["--adapter", f"a={adapter}"], ["--adapter-dir", str(exl3_model.parent)]):
+        code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--tabby-dir", tmp_path,
+                             "--dry-run", *extra)
         assert code == 2 and out == "" and "Traceback" not in err
-        assert "ExLlamaV3 (TabbyAPI) serves no LoRA adapters" in err and "tuneport export --target exl3" in err
+        assert "TabbyAPI (--tabby-dir) serves no LoRA adapters" in err and "drop --tabby-dir" in err
+    code, _, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--engine-port", "9100", "--dry-run")
+    assert code == 2 and "--engine-port and --log-file belong to TabbyAPI (--tabby-dir)" in err
+
+
+def test_in_process_exllamav3_refuses_to_start_without_cuda(exl3_model, zoo, cli):
+    """Here (no CUDA, no exllamav3): exit 2 with the reason, from the CLI and from the Python API."""
+    from tuneport.convert.errors import UserError
+    from tuneport.serve.exllamav3_backend import ExllamaV3Backend, check_runtime
+
+    code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--adapter",
+                         f"a={zoo.adapter('llama', 'plain')}")
+    assert code == 2 and out == "" and "ExLlamaV3 (--engine exllamav3) is not installed here" in err, err
+    assert len(err.strip().splitlines()) == 1
+    for start in (check_runtime, lambda: ExllamaV3Backend(exl3_model)):
+        with pytest.raises(UserError, match="ExLlamaV3 needs a CUDA GPU and this machine has none"):
+            start()
+
+
+def test_adapter_turns_group_requests_by_adapter_set():
+    """exllamav3 applies every registered LoRA to every token: one adapter set runs at a time. The oldest waiting
+    request's set goes next; its newcomers join only while no other set waits; the batch limit holds."""
+    from tuneport.serve.engines.exllamav3 import AdapterTurns, Waiting, adapter_set
+
+    a, b, base = adapter_set({"a": 1.0}), adapter_set({"b": 1.0}), adapter_set({})
+    assert adapter_set({"b": 0.5, "a": 1.0}) == (("a", 1.0), ("b", 0.5)) and base == ()
+    turns = AdapterTurns(max_batch=3)
+    reqs = [Waiting(k) for k in (a, base, a, b, a, a)]
+    for r in reqs:
+        turns.add(r)
+    key, take = turns.admit(0)
+    assert key == a and take == [reqs[0], reqs[2], reqs[4]]  # the oldest's set, up to the batch limit
+    assert turns.admit(3) == (a, [])  # full
+    assert turns.admit(2) == (a, [])  # base and b wait: the a batch drains, a's newcomer waits its turn
+    key, take = turns.admit(0)
+    assert key == base and take == [reqs[1]]
+    assert turns.admit(0) == (b, [reqs[3]])
+    late = Waiting(b)
+    turns.pending.remove(reqs[5])
+    turns.add(late)
+    assert turns.admit(1) == (b, [late])  # same set, nobody else waiting: joins the running batch
+    turns.add(reqs[5])
+    assert turns.admit(0) == (a, [reqs[5]]) and turns.pending == []
+    assert turns.switches == 4 and turns.admit(0) == (a, [])
 
 
 def test_serve_exllamav3_refuses_to_start_here(exl3_model, tmp_path, cli):
@@ -146,3 +203,18 @@ def test_tabby_child_gets_no_tabby_environment(tmp_path, monkeypatch):
         time.sleep(0.05)
     child.stop()
     assert (tmp_path / "log").read_text().strip() == "None yes"
+
+
+def test_gpu_check_script_fails_fast_here(tmp_path):
+    """benchmarks/gpu/exllamav3_adapters.py (run on a CUDA host) says at once what this machine lacks."""
+    import py_compile
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu" / "exllamav3_adapters.py"
+    py_compile.compile(str(script), doraise=True, cfile=str(tmp_path / "x.pyc"))
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "needs a CUDA GPU and the exllamav3 package" in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()

@@ -210,7 +210,7 @@ def test_limits_on_the_command_line(zoo, cli, tmp_path):
     assert code == 2 and "--max-tokens-limit" in err, err
     code, _, err = cli("serve", "--base", zoo.base("llama"), "--engine", "vllm", "--max-prompt-tokens", "64",
                        "--dry-run")
-    assert code == 2 and "--max-prompt-tokens: only --engine llamacpp or mlx honours it" in err, err
+    assert code == 2 and "--max-prompt-tokens: only --engine llamacpp, mlx or exllamav3 honours it" in err, err
     (tmp_path / "admin").write_text(ADMIN)
     plan = tuneport.serve_plan(base=zoo.base("llama"), engine="llamacpp", admin_key_file=tmp_path / "admin",
                                max_tokens_limit=64, max_prompt_tokens=96, max_concurrent_per_key=4)

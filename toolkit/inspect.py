@@ -27,15 +27,23 @@ from tuneport.convert.vllm_rules import preflight
 # Every verdict below comes from the rule functions the exporters and preflights use themselves
 # (base_refusal, lora_refusals, preflight), so inspect and export cannot disagree.
 EXL3_MODEL = "ExLlamaV3 loads EXL3 only: tuneport export --target exl3 (on a CUDA host)"
-EXL3_ADAPTER = ("TabbyAPI's exllamav3 backend loads no LoRA: merge it into an EXL3 "
-                "(tuneport export --target exl3 --adapter ...)")
-EXL3_ONLY = "an EXL3 model: ExLlamaV3 (TabbyAPI, CUDA) is the engine that loads it"
+EXL3_ADAPTER = ("applied at run time over its EXL3 base, rewritten for exllamav3's LoRA loader "
+                "(tuneport serve --engine exllamav3 --adapter NAME=PATH, on CUDA)")
+EXL3_ONLY = "an EXL3 model: ExLlamaV3 (CUDA) is the engine that loads it"
 MLX_ADAPTER = ("an mlx-lm adapter (lora_a/lora_b transposed, one scale): export the PEFT adapter it was made from "
                "for this engine")
 
 
 def _engine(ok: bool, why: str = "") -> dict:
     return {"loads": ok, "reason": why}
+
+
+def _exl3_adapter_verdict(adapter) -> dict:
+    """exllamav3's run-time LoRA: what convert.exl3.adapter refuses (the rule serve applies), else loads."""
+    from tuneport.convert.exl3.adapter import MERGE_HINT, refusals
+
+    problems = refusals(adapter)
+    return _engine(not problems, f"{'; '.join(problems)}: {MERGE_HINT}" if problems else EXL3_ADAPTER)
 
 
 def _base_class(cfg: dict) -> str | None:
@@ -116,7 +124,7 @@ def inspect_adapter(path: Path) -> dict:
         "llama.cpp": _engine(False, gguf_reason),
         "vllm": _engine(pf.ok, "; ".join(pf.problems) if pf.problems else
                         ("accepted after lossless fixes: " + "; ".join(pf.fixes) if pf.fixes else "")),
-        "exllamav3": _engine(False, EXL3_ADAPTER),
+        "exllamav3": _exl3_adapter_verdict(a),
         "ollama": _engine(False, gguf_reason.replace("llama.cpp loads GGUF LoRA files only",
                                                      "Ollama's ADAPTER needs a GGUF LoRA")),
         "mlx": _engine(False, mlx_lora_verdict(a, cfg)),
@@ -175,8 +183,8 @@ def inspect_exl3_model(ck: Checkpoint) -> dict:
 
     summary = Exl3Model(ck.path).summary()
     engines = {e: _engine(False, EXL3_ONLY) for e in ("llama.cpp", "vllm", "ollama", "mlx")}
-    engines["exllamav3"] = _engine(True, "TabbyAPI with its exllamav3 backend, on CUDA: tuneport serve --engine "
-                                         "exllamav3")
+    engines["exllamav3"] = _engine(True, "ExLlamaV3 on CUDA, with PEFT adapters at run time: tuneport serve "
+                                         "--engine exllamav3 (or TabbyAPI without adapters: --tabby-dir)")
     return {"kind": "exl3-model", "path": str(ck.path), "format": "exl3", "architecture": ck.model_type,
             "hf_architectures": ck.config.get("architectures"), "bytes": ck.nbytes, "files": len(ck.weight_files),
             "vocab_size": ck.config.get("vocab_size"), "quantization": summary, "layers": summary["layers"],

@@ -199,8 +199,8 @@ def memory_plan(engine: str, artifact: ArtifactInfo, load: ServeLoad, *, adapter
 
 
 def plan_exllamav3(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
-    """TabbyAPI's exllamav3 backend: the EXL3 tensors as stored, an FP16 cache of ``cache_size`` tokens
-    (n_ctx × concurrency rounded up to 256), no adapters (merged into the EXL3)."""
+    """exllamav3 (in process, or TabbyAPI's backend): the EXL3 tensors as stored, an FP16 cache of ``cache_size``
+    tokens (n_ctx × concurrency rounded up to 256), the start-up adapters' fp16 LoRA matrices."""
     from tuneport.convert.exl3.tabby import CACHE_QUANTUM, round_cache
 
     if a.format != "exl3":
@@ -213,9 +213,10 @@ def plan_exllamav3(a: ArtifactInfo, load: ServeLoad, o: dict) -> MemoryPlan:
                      f"{CACHE_QUANTUM}")
     formula = {"weights": f"{_n(weights)} bytes of EXL3 tensors as stored (trellis, suh/svh, fp16 embeddings and "
                           "norms)", "kv_cache": kv_how + " (cache_mode FP16)",
-               "adapters": "0: ExLlamaV3 serves LoRAs merged into the EXL3",
-               "total": "weights + kv_cache on the GPU (plus ExLlamaV3's working buffers)"}
-    return MemoryPlan("exllamav3", weights, kv, 0, weights + kv, 0, None, formula)
+               "adapters": "fp16 A and B of each start-up adapter (exllamav3's run-time LoRA)",
+               "total": "weights + kv_cache + adapters on the GPU (plus ExLlamaV3's working buffers)"}
+    adapters = sum(o["adapter_bytes"])
+    return MemoryPlan("exllamav3", weights, kv, adapters, weights + kv + adapters, 0, None, formula)
 
 
 # -- dry run --------------------------------------------------------------------------------------

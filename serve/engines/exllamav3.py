@@ -1,0 +1,393 @@
+"""ExLlamaV3 in this process: one EXL3 base, PEFT LoRA adapters placed at run time, requests of one adapter set
+decoded together in exllamav3's paged, continuously batched ``Generator``.
+
+exllamav3 (``exllamav3/model/lora.py``, ``modules/linear.py``) keeps each loaded ``LoRA``'s matrices in every target
+``Linear``'s ``lora_a_tensors`` / ``lora_b_tensors`` (dicts keyed by the LoRA object) and adds all of them to every
+token of every sequence in a forward. So adapters are loaded once (``LoRA.from_directory`` on the directory
+:mod:`tuneport.convert.exl3.adapter` rewrote, scales baked in) and their tensors taken straight off the modules into
+a stash; only the active *adapter set*'s tensors are put back, and the set changes only while the generator is
+idle. Scheduling (:class:`AdapterTurns`): the set of the oldest waiting request takes the next turn; requests of
+that set join the running batch while no other set waits, after which the batch drains and the next set starts.
+Base requests run with no tensors registered. When the set changes, the generator's prefix cache is reset (its
+pages are keyed by token ids only, and their K/V depend on the adapter).
+
+exllamav3's fused decode paths bypass ``Linear.forward`` and with it the LoRA: the graphed decode attention
+(``bc_attn``), the paired-projection MGEMMs (``multi_kv``, ``multi_qg``, ``multi_gu``) and the graphed MLPs
+(``MLP.bc``, ``GatedMLP.bc``). While an adapter set is active they are switched off (:class:`FastPaths`); base
+turns keep them. Sampling is exllamav3's (argmax at temperature 0, else temperature and top-p with the request's
+seed); log-probabilities come from the raw logits it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tuneport.convert.errors import UserError
+from tuneport.convert.exl3.tabby import round_cache
+
+from .base import Done, Event, EventStream, GenerationRequest, Sequence, tokens_of
+
+log = logging.getLogger("tuneport.serve.exllamav3")
+AdapterSet = tuple[tuple[str, float], ...]  # (name, scale) sorted by name; () is the base
+
+
+def adapter_set(adapters: dict[str, float]) -> AdapterSet:
+    return tuple(sorted(adapters.items()))
+
+
+@dataclass(eq=False)
+class Waiting:
+    """What :class:`AdapterTurns` schedules: anything with the adapter set it needs."""
+
+    key: Hashable
+
+
+@dataclass
+class AdapterTurns:
+    """Which waiting requests join the generator, one adapter set at a time (pure bookkeeping, no engine).
+
+    ``admit(running)`` with ``running`` sequences in the generator: when it is idle, the oldest waiting request's
+    set takes the turn and all its waiting requests join (up to ``max_batch``); while a turn runs, more requests of
+    its set join only as long as no other set waits (else the batch drains, then that set goes next)."""
+
+    max_batch: int
+    pending: list = field(default_factory=list)
+    current: Hashable | None = None
+    switches: int = 0
+
+    def add(self, item) -> None:
+        self.pending.append(item)
+
+    def admit(self, running: int) -> tuple[Hashable | None, list]:
+        if running == 0:
+            if not self.pending:
+                return self.current, []
+            key = self.pending[0].key
+        else:
+            key = self.current
+            if any(p.key != key for p in self.pending):
+                return key, []
+        take = [p for p in self.pending if p.key == key][: max(0, self.max_batch - running)]
+        if take:
+            chosen = set(map(id, take))
+            self.pending = [p for p in self.pending if id(p) not in chosen]
+            self.switches += key != self.current
+            self.current = key
+        return key, take
+
+
+class FastPaths:
+    """exllamav3's fused decode paths that skip ``Linear.forward`` (and so LoRA), found on the loaded model:
+    ``off()`` while adapters are registered, ``on()`` again for the base."""
+
+    ATTRS = ("multi_kv", "multi_qg")
+
+    def __init__(self, model) -> None:
+        import exllamav3.modules.attn as attn
+
+        self.attn = attn
+        self.bc_attn = getattr(attn, "_bc_attn_enable", False)
+        self.saved: list[tuple[object, str, object]] = []
+        for m in model:
+            for attr in self.ATTRS:
+                if getattr(m, attr, None) is not None:
+                    self.saved.append((m, attr, getattr(m, attr)))
+            if isinstance(getattr(m, "multi_gu", None), list) and any(x is not None for x in m.multi_gu):
+                self.saved.append((m, "multi_gu", list(m.multi_gu)))
+            if type(m).__name__ in ("MLP", "GatedMLP") and getattr(m, "bc", None) is not None:
+                self.saved.append((m, "bc", m.bc))
+        self.enabled = True
+
+    def off(self) -> None:
+        if self.enabled:
+            for m, attr, value in self.saved:
+                setattr(m, attr, [None] * len(value) if isinstance(value, list) else None)
+            if hasattr(self.attn, "_bc_attn_enable"):
+                self.attn._bc_attn_enable = False
+            self.enabled = False
+
+    def on(self) -> None:
+        if not self.enabled:
+            for m, attr, value in self.saved:
+                setattr(m, attr, value)
+            if hasattr(self.attn, "_bc_attn_enable"):
+                self.attn._bc_attn_enable = self.bc_attn
+            self.enabled = True
+
+
+@dataclass(eq=False)
+class _Seq(Sequence):
+    key: AdapterSet = ()
+    job: object = None
+
+
+@dataclass
+class _Loaded:
+    lora: object  # exllamav3.model.lora.LoRA
+    tensors: list[tuple[object, object, object]]  # (Linear, A, B) taken off the modules
+    nbytes: int
+
+
+class Exl3Engine:
+    """The EXL3 model in ``model_dir`` served with adapters. ``n_ctx``: the most tokens (prompt + output) one
+    request may use; ``cache_tokens``: the paged cache (shared by a batch); ``max_batch``: sequences together."""
+
+    def __init__(self, model_dir: Path, *, n_ctx: int = 2048, cache_tokens: int = 16384, max_batch: int = 32) -> None:
+        self.model_dir = Path(model_dir)
+        self.n_ctx, self.max_batch = n_ctx, max_batch
+        self.cache_tokens = round_cache(max(cache_tokens, n_ctx))
+        self.turns = AdapterTurns(max_batch)
+        self._cv = threading.Condition()
+        self._jobs: list[tuple[Callable[[], object], Future]] = []
+        self._closed = False
+        self._loaded: dict[str, _Loaded] = {}
+        self._active: AdapterSet = ()
+        self._running: list[_Seq] = []  # sequences in the generator
+        self.eos = eos_ids(self.model_dir)
+        self.max_batch_seqs = 0
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._worker, args=(ready,), daemon=True, name="exllamav3-engine")
+        self._thread.start()
+        ready.result()
+
+    # -- the worker thread ------------------------------------------------------------------------------
+    def _load_model(self) -> None:
+        from exllamav3 import Cache, Config, Generator, Model, Tokenizer
+
+        config = Config.from_directory(str(self.model_dir))
+        self.model = Model.from_config(config)
+        self.cache = Cache(self.model, max_num_tokens=self.cache_tokens)
+        self.model.load()
+        self.tokenizer = Tokenizer.from_config(config)
+        self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer,
+                                   max_batch_size=self.max_batch)
+        self.n_vocab = int(config.vocab_size)
+        self.fast = FastPaths(self.model)
+
+    def _started(self, ready: Future) -> bool:
+        """Load the model on this thread; the constructor waits on ``ready`` and raises what failed."""
+        try:
+            self._load_model()
+            ready.set_result(None)
+            return True
+        except BaseException as e:  # noqa: BLE001 - the constructor raises it
+            ready.set_exception(e)
+            return False
+
+    def _worker(self, ready: Future) -> None:
+        if not self._started(ready):
+            return
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - every waiting request gets it
+            log.exception("the ExLlamaV3 engine stopped")
+            self._fail_all(e if isinstance(e, Exception) else RuntimeError(str(e)))
+        finally:
+            for s in self._running:
+                s.out.put(RuntimeError("engine closed"))
+            self._running.clear()
+
+    def _loop(self) -> None:
+        running = self._running
+        while True:
+            with self._cv:
+                while not (self.turns.pending or self._jobs or running or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                jobs, self._jobs = self._jobs, []
+                for s in [s for s in self.turns.pending if s.cancelled]:
+                    self.turns.pending.remove(s)
+                    s.out.put(Done(s.index))
+                key, admit = self.turns.admit(len(running))
+            for fn, fut in jobs:  # adapters load and unload between steps, never during one
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - the caller raises it
+                    fut.set_exception(e)
+            if admit and key != self._active:
+                self._activate(key)
+            for s in admit:
+                if s.key != () and any(name not in self._loaded for name, _ in s.key):
+                    s.out.put(UserError("the request's adapter was unloaded meanwhile", "retry the request"))
+                    continue
+                s.job = self._job(s)
+                self.generator.enqueue(s.job)
+                running.append(s)
+            for s in [s for s in running if s.cancelled]:
+                self.generator.cancel(s.job)
+                running.remove(s)
+                s.out.put(Done(s.index))
+            if running:
+                self.max_batch_seqs = max(self.max_batch_seqs, len(running))
+                try:
+                    self._step(running)
+                except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
+                    log.exception("ExLlamaV3 step failed")
+                    self.generator.clear_queue()
+                    for s in running:
+                        s.out.put(e)
+                    running.clear()
+
+    def _job(self, s: _Seq):
+        import torch
+        from exllamav3 import Job
+        from exllamav3.generator.sampler import ArgmaxSampler, TopPSampler
+
+        r = s.req
+        sampler = ArgmaxSampler() if r.temperature <= 0 else TopPSampler(r.top_p, temperature=r.temperature)
+        return Job(input_ids=torch.tensor([r.prompt_tokens], dtype=torch.long), max_new_tokens=r.max_tokens,
+                   sampler=sampler, seed=r.seed, stop_conditions=[], return_logits=r.logprobs is not None,
+                   identifier=s)
+
+    def _step(self, running: list[_Seq]) -> None:
+        """One generator iteration: each sequence's new tokens handed over (stops decided by ``Sequence.emit``)."""
+        for r in self.generator.iterate():
+            s = r.get("identifier")
+            if not isinstance(s, _Seq) or s not in running or r.get("stage") != "streaming":
+                continue
+            s.job = r.get("job", s.job)  # a job the generator requeued is a new object
+            ids = r.get("token_ids")
+            logits = r.get("logits")
+            done = False
+            for i, tok in enumerate(ids[0].tolist() if ids is not None else []):
+                row = logits[0, i, : self.n_vocab].float().cpu().numpy() if logits is not None else None
+                if done := s.emit(int(tok), int(tok) in self.eos, row):
+                    break
+            if done or r.get("eos"):
+                if not done:  # the generator ended it (max_new_tokens): emit already sent Done then
+                    s.out.put(Done(s.index))
+                if not r.get("eos"):
+                    self.generator.cancel(s.job)
+                running.remove(s)
+
+    def _activate(self, key: AdapterSet) -> None:
+        """Register ``key``'s tensors (scaled) on their linears, none else; the generator is idle."""
+        for loaded in self._loaded.values():
+            for module, _, _ in loaded.tensors:
+                module.lora_a_tensors.pop(loaded.lora, None)
+                module.lora_b_tensors.pop(loaded.lora, None)
+        for name, scale in key:
+            loaded = self._loaded[name]
+            for module, a, b in loaded.tensors:
+                module.lora_a_tensors[loaded.lora] = a
+                module.lora_b_tensors[loaded.lora] = b if scale == 1.0 else b * scale
+        self.fast.off() if key else self.fast.on()
+        self.generator.pagetable.reset_page_table()  # cached pages hold another adapter set's K/V
+        self._active = key
+
+    def _fail_all(self, e: Exception) -> None:
+        with self._cv:
+            self._closed = True
+            for s in self.turns.pending:
+                s.out.put(e)
+            self.turns.pending.clear()
+            for _, fut in self._jobs:
+                fut.set_exception(RuntimeError("the ExLlamaV3 engine stopped"))
+            self._jobs.clear()
+
+    def _call(self, fn: Callable[[], object]) -> object:
+        """``fn()`` run on the engine thread between two steps: its result, or its exception raised here."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the ExLlamaV3 engine is closed")
+            done: Future = Future()
+            self._jobs.append((fn, done))
+            self._cv.notify_all()
+        return done.result()
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def load_adapter(self, name: str, directory: Path) -> int:
+        """Load the rewritten PEFT directory as ``name`` (its tensors stashed, not applied); bytes held."""
+        return int(self._call(lambda: self._place(name, directory)))
+
+    def _place(self, name: str, directory: Path) -> int:
+        from exllamav3.model.lora import LoRA
+
+        if name in self._loaded:
+            raise UserError(f"adapter {name!r} is already loaded", "unload it first")
+        lora = LoRA.from_directory(self.model, str(directory))
+        tensors = [(m, m.lora_a_tensors.pop(lora), m.lora_b_tensors.pop(lora))
+                   for m in lora.target_modules.values()]
+        if not tensors:
+            raise UserError(f"exllamav3 matched none of adapter {name}'s modules", "it was trained for another model")
+        nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b in tensors)
+        self._loaded[name] = _Loaded(lora, tensors, nbytes)
+        return nbytes
+
+    def unload_adapter(self, name: str) -> None:
+        self._call(functools.partial(self._drop, name))
+
+    def _drop(self, name: str) -> None:
+        loaded = self._loaded.pop(name, None)
+        if loaded is None:
+            raise UserError(f"adapter {name!r} is not loaded", "")
+        if any(n == name for n, _ in self._active):
+            self._activate(())  # the pool never unloads an adapter in use: the generator is idle here
+        loaded.lora.unload()
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._loaded)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> Iterator[int]:
+        return tokens_of(self.events(request))
+
+    def events(self, request: GenerationRequest) -> Iterator[Event]:
+        """The events of ``request``: one choice, log-probabilities of generated tokens when asked."""
+        check_request(request, self.n_ctx)
+        if request.max_tokens <= 0:
+            return EventStream([])
+        with self._cv:
+            if missing := [n for n in request.adapters if n not in self._loaded]:
+                raise UserError(f"adapter(s) {missing} not loaded", "load them first")
+            if self._closed:
+                raise RuntimeError("engine closed")
+            seq = _Seq(request, key=adapter_set(request.adapters))
+            self.turns.add(seq)
+            self._cv.notify_all()
+        return seq.events()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        self._fail_all(RuntimeError("engine closed"))
+        model = getattr(self, "model", None)
+        if model is not None:
+            model.unload()
+
+
+def eos_ids(model_dir: Path) -> set[int]:
+    """The end-of-generation token ids the model's config and generation config name."""
+    import json
+
+    out: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        out |= {ids} if isinstance(ids, int) else {i for i in ids or () if isinstance(i, int)}
+    return out
+
+
+def check_request(request: GenerationRequest, n_ctx: int) -> None:
+    """Refuse what this engine does not do (before anything is queued)."""
+    if request.n != 1 or request.prompt_logprobs or request.grammar:
+        raise UserError("the ExLlamaV3 engine answers one choice, without prompt scores or grammars",
+                        "serve with --engine llamacpp or vllm for n, echo and response_format")
+    prompt = request.prompt_tokens
+    if not prompt or len(prompt) + request.max_tokens > n_ctx:
+        raise UserError(f"prompt of {len(prompt)} tokens + max_tokens {request.max_tokens} does not fit the "
+                        f"context of {n_ctx}", "shorten the prompt or lower max_tokens")
