@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import listdir
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tuneport.convert.errors import FidelityError, UserError
 from tuneport.convert.exl3 import trellis as T
-from tuneport.convert.exl3.codebook import CODEBOOKS, lookup_table
+from tuneport.convert.exl3.codebook import CODEBOOKS, MULTIPLIERS, lookup_table, marker_problem
 from tuneport.convert.exl3.export import MISMATCH, decode_check, expected_error
 from tuneport.convert.exl3.hadamard import BLOCK, hadamard_128, reconstruct, regularize
-from tuneport.convert.exl3.read import Exl3Model
+from tuneport.convert.exl3.read import Exl3Model, expert_reference
 from tuneport.convert.support import supported
 
 KS = [2, 3, 4]
@@ -229,21 +230,133 @@ def test_hadamard_rotation_and_reconstruction():
         reconstruct(torch.zeros(100, 128), torch.ones(100), torch.ones(128))
 
 
+# -- exllamav3's own output: samples of its converter and CUDA kernels (tests/data/exl3/README.md) ---------------
+SAMPLES = Path(__file__).resolve().parent / "data" / "exl3" / "exl3_samples.safetensors"
+# each sample (label/layer) with the K and codebook exllamav3 1.6.5 wrote it at: every kind of decode it has
+SAMPLED = {"2/model.layers.0.self_attn.k_proj": (2, "mul1"), "3mcg/model.layers.0.self_attn.k_proj": (3, "mcg"),
+           "3inst/model.layers.0.self_attn.k_proj": (3, "3inst"), "3.5/model.layers.0.self_attn.k_proj": (3.5, "mul1"),
+           "4/model.layers.0.self_attn.k_proj": (4, "mul1"), "4/lm_head": (6, "mul1"),
+           "8/model.layers.0.self_attn.k_proj": (8, "mul1")}
+STORED = ("trellis", "suh", "svh")  # what exllamav3's converter writes per linear
+KERNEL_TOLERANCE = 1e-3  # exllamav3's weight is fp16 and its kernels round in fp16: about 4.2e-4 from tuneport's fp32
+
+
+def marker(codebook: str) -> torch.Tensor:
+    """The marker exllamav3's quantizer stores beside a linear: its codebook's multiplier, 0-dim int32."""
+    return torch.tensor(MULTIPLIERS[codebook], dtype=torch.uint32).view(torch.int)
+
+
+@pytest.fixture(scope="module")
+def samples() -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+    """sample -> (its metadata line, its tensors: trellis, suh, svh, w_hat_kernel, w_kernel)."""
+    with safe_open(SAMPLES, "pt") as f:
+        meta = f.metadata()
+        return {s: (meta[s], {p.rsplit("/", 1)[1]: f.get_tensor(p) for p in f.keys() if p.startswith(f"{s}/")})
+                for s in SAMPLED}
+
+
+def kernel_errors(w: torch.Tensor, kernel: torch.Tensor) -> tuple[float, float]:
+    """(||w - kernel|| / ||kernel||, max |w - kernel| / max |kernel|)."""
+    diff, kernel = w.float() - kernel.float(), kernel.float()
+    return float(diff.norm() / kernel.norm()), float(diff.abs().max() / kernel.abs().max())
+
+
+@pytest.mark.parametrize("sample", SAMPLED)
+def test_decoder_reproduces_exllamav3s_kernels(samples, sample):
+    """tuneport's CPU decode of what exllamav3's converter wrote: W_hat bit for bit as exllamav3's CUDA decode
+    gives it, and the weight (rotations and scales applied) within fp16 rounding of its kernel's."""
+    k, codebook = SAMPLED[sample]
+    meta, t = samples[sample]
+    assert meta.startswith(f"K={k:g} codebook={codebook} ") and T.bits_of(t["trellis"]) == k
+    w_hat = T.decode(t["trellis"], codebook)
+    differ = int((w_hat.view(torch.int16) != t["w_hat_kernel"].view(torch.int16)).sum())
+    assert differ == 0, f"{sample}: {differ} of {w_hat.numel()} decoded weights differ from exllamav3's"
+    rel, peak = kernel_errors(reconstruct(w_hat, t["suh"], t["svh"]), t["w_kernel"])
+    print(f"{sample} (K={k:g} {codebook}): w_hat bit-exact; w {rel:.2e} relative (norm), {peak:.2e} (max)")
+    assert rel < KERNEL_TOLERANCE and peak < KERNEL_TOLERANCE, f"{sample}: {rel:.2e} (norm), {peak:.2e} (max)"
+    other = next(cb for cb in CODEBOOKS if cb != codebook)  # the check tells codebooks apart
+    assert kernel_errors(reconstruct(T.decode(t["trellis"], other), t["suh"], t["svh"]), t["w_kernel"])[0] > 0.5
+
+
+def samples_dir(samples: dict, out: Path) -> dict[str, str]:
+    """The samples as one EXL3 directory in exllamav3's layout, markers as its quantizer writes them; linear key ->
+    sample."""
+    keys = {s: "lm_head" if s.endswith("lm_head") else f"model.layers.{i}.self_attn.k_proj"
+            for i, s in enumerate(SAMPLED)}
+    tensors = {}
+    for s, key in keys.items():
+        tensors |= {f"{key}.{part}": samples[s][1][part] for part in STORED}
+        if (codebook := SAMPLED[s][1]) != "3inst":
+            tensors[f"{key}.{codebook}"] = marker(codebook)
+    assert len(tensors) == len(keys) * len(STORED) + sum(cb != "3inst" for _, cb in SAMPLED.values())
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": len(keys) - 1,
+        "quantization_config": {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 6,
+                                "codebook": "mul1"}}))
+    return {key: s for s, key in keys.items()}
+
+
+def test_exl3_model_reads_exllamav3s_samples(samples, tmp_path):
+    """The reader on exllamav3's own tensors: each linear's K and codebook (from its trellis width and marker)
+    as exllamav3 wrote them, and ``weight_rows`` (128 rows at a time) equal to the whole-layer decode, within fp16
+    rounding of exllamav3's kernel."""
+    keys = samples_dir(samples, tmp_path / "exl3")
+    model = Exl3Model(tmp_path / "exl3")
+    assert {key: (model.linears[key].bits, model.linears[key].codebook) for key in keys} == {
+        key: SAMPLED[s] for key, s in keys.items()}
+    assert model.summary()["codebooks"] == sorted(CODEBOOKS) and len(model.linears) == len(SAMPLED)
+    for key, s in keys.items():
+        t = samples[s][1]
+        rows = [w for _, w in model.weight_rows(key, rows=BLOCK)]
+        assert len(rows) == t["suh"].numel() // BLOCK >= 2
+        w = torch.cat(rows)
+        assert torch.equal(w, reconstruct(T.decode(t["trellis"], SAMPLED[s][1]), t["suh"], t["svh"]))
+        assert max(kernel_errors(w, t["w_kernel"])) < KERNEL_TOLERANCE, s
+
+
+@pytest.mark.parametrize("stored, message", [
+    (torch.tensor(0, dtype=torch.int32), "holds 0x00000000, not the mcg multiplier 0xcbac1fed"),
+    (marker("mul1"), "holds 0x83dcd12d, not the mcg multiplier 0xcbac1fed"),  # another codebook's multiplier
+    (torch.tensor(0x2C8F1D6B, dtype=torch.int32), "holds 0x2c8f1d6b, not the mcg"),  # a 0.0.3-0.0.8 --mcg_multiplier
+    (torch.tensor([MULTIPLIERS["mcg"]], dtype=torch.int64), r"is int64 of shape \[1\], not a 0-dim int32"),
+], ids=["zero", "mul1-multiplier", "user-multiplier", "int64-vector"])
+def test_codebook_markers_must_hold_their_multiplier(samples, tmp_path, stored, message):
+    """exllamav3 stores the codebook's multiplier in the marker (and 1.6 checks it): any other value is a codebook
+    tuneport cannot decode, refused by name; 0 included, which no exllamav3 version writes."""
+    from safetensors.torch import load_file
+
+    keys = samples_dir(samples, tmp_path / "exl3")
+    key = next(k for k, s in keys.items() if SAMPLED[s][1] == "mcg")
+    assert int(load_file(tmp_path / "exl3" / "model.safetensors")[f"{key}.mcg"]) & 0xFFFFFFFF == 0xCBAC1FED
+    assert marker_problem("mcg", marker("mcg")) is None and marker_problem("mul1", marker("mul1")) is None
+    assert marker_problem("mcg", marker("mcg").view(torch.uint32)) is None  # a U32 tensor holds the same bits
+    tensors = load_file(tmp_path / "exl3" / "model.safetensors")
+    save_file({**tensors, f"{key}.mcg": stored}, tmp_path / "exl3" / "model.safetensors")
+    with pytest.raises(UserError, match=f"the codebook marker {key}.mcg {message}") as e:
+        Exl3Model(tmp_path / "exl3")
+    assert "a codebook tuneport cannot decode" in str(e.value) and "exllamav3 0.0.9 or later" in e.value.hint
+
+
 # -- an EXL3 directory as exllamav3 writes it -----------------------------------------------------------------
 def pad128(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
 def write_exl3(src: Path, out: Path, bits: int = 4, head_bits: int = 6, codebooks=("mcg", "mul1", "3inst")) -> None:
-    """``src`` (an HF directory) written in exllamav3's layout: every linear (and the head) padded to 128,
-    rotated, encoded (beam search) and packed, with suh/svh and markers; the rest copied as fp16."""
+    """``src`` (an HF directory) written in exllamav3's layout: every linear (and the head; each expert of a
+    mixture of experts, not its router) padded to 128, rotated, encoded (beam search) and packed, with suh/svh and
+    markers; the rest copied as fp16."""
     from tuneport.convert.checkpoint import Checkpoint
 
     ck = Checkpoint(src)
     out.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
+    experts = ck.arch.experts if ck.arch else None  # exllamav3 keeps a mixture of experts' routers fp16
+    router = f".{experts.disk_block}.{experts.router}.weight" if experts else "no router"
     weights = {n: ck.read(n) for n in ck.names() if n.endswith(".weight") and len(ck.meta(n).shape) == 2
-               and "embed" not in n}
+               and "embed" not in n and not n.endswith(router)}
     if ck.tied_embeddings:
         weights["lm_head.weight"] = ck.read("model.embed_tokens.weight")
     for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
@@ -271,7 +384,7 @@ def write_exl3(src: Path, out: Path, bits: int = 4, head_bits: int = 6, codebook
         tensors[f"{key}.trellis"] = T.pack(states, k).reshape(wt.shape[0] // 16, wt.shape[1] // 16, 16 * k)
         tensors[f"{key}.suh"], tensors[f"{key}.svh"] = suh, svh
         if cb != "3inst":
-            tensors[f"{key}.{cb}"] = torch.tensor(0, dtype=torch.int32)
+            tensors[f"{key}.{cb}"] = marker(cb)
     for name in ck.names():
         if name not in weights and not name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
             tensors[name] = ck.read(name).half()
@@ -343,17 +456,32 @@ def test_decode_check_refuses_weights_that_do_not_match(exl3_dirs, zoo, tmp_path
     assert len(report["above_expected"]) == 15 and MISMATCH > report["worst"] > expected_error(4)
 
 
-@pytest.mark.slow  # the reference encoder takes 20-90 s a model on 2 cores
+@pytest.mark.slow  # the reference encoder takes 20-90 s a model on 2 cores (a mixture of experts: more)
 @pytest.mark.parametrize("arch", supported("exl3"))
 def test_every_architecture_writes_and_decodes(zoo, tmp_path, arch):
     """Every architecture of the table, in exllamav3's layout (written by the reference encoder here; the real
-    converter needs CUDA): each quantized linear is found, decoded and checked against the merged weights."""
+    converter needs CUDA): each quantized linear is found, decoded and checked against the merged weights. A
+    mixture of experts is quantized one linear per expert, its router left fp16, and checked against the
+    checkpoint's experts whether it keeps them per expert or fused (transformers 5's layout)."""
     from tuneport.convert.checkpoint import Checkpoint
 
     write_exl3(zoo.base(arch), tmp_path / "exl3", bits=2, head_bits=2)  # 2 bits: about twice as fast to encode
     model = Exl3Model(tmp_path / "exl3")
     report = decode_check(model, Checkpoint(zoo.base(arch)))
     assert len(report["layers"]) == len(model.linears) >= 2 * 7 and report["worst"] < expected_error(2)
+    experts = Checkpoint(zoo.base(arch)).arch.experts
+    if experts is None:
+        return
+    cfg = Checkpoint(zoo.base(arch)).config
+    n, layers = experts.expert_count(cfg), cfg["num_hidden_layers"]
+    expert_keys = [k for k in model.linears if ".experts." in k]
+    assert len(expert_keys) == layers * n * 3 and len(model.linears) == layers * (4 + 3 * n) + 1
+    assert f"model.layers.1.{experts.disk_block}.experts.{n - 1}.{experts.down}" in model.linears
+    assert not any(k.endswith(f".{experts.router}") for k in model.linears)  # the routers: fp16, not checked
+    fused = decode_check(model, Checkpoint(zoo.fused_base(arch)))  # the same weights, experts fused on disk
+    assert fused["layers"] == report["layers"]
+    errors = [report["layers"][k]["relative_error"] for k in expert_keys]
+    assert 0.1 < min(errors) <= max(errors) < expected_error(2), errors  # 2 bits: about 0.26 each
 
 
 def test_decode_check_reads_fused_linears_exllamav3_splits(zoo, tmp_path):
@@ -375,6 +503,31 @@ def test_decode_check_reads_fused_linears_exllamav3_splits(zoo, tmp_path):
               lacking / "model.safetensors")
     with pytest.raises(UserError, match="no unquantized weight for model.layers.0.mlp.down_proj in "):
         decode_check(model, Checkpoint(lacking))
+
+
+def test_expert_linears_map_to_the_checkpoints_experts(zoo):
+    """exllamav3 quantizes each expert's projection under its architecture file's name (Mixtral
+    ``block_sparse_moe.experts.E.w1``, Qwen3-MoE ``mlp.experts.E.gate_proj``): the decode check finds the expert in
+    the checkpoint, stored per expert or fused (transformers 5), also under transformers 5's names."""
+    from tuneport.convert.checkpoint import Checkpoint
+    from tuneport.convert.exl3.read import reference_rows
+
+    for arch, key, name in [
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2", "model.layers.1.block_sparse_moe.experts.3.w2"),
+        ("mixtral", "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.block_sparse_moe.experts.3.w2"),
+        ("mixtral", "model.layers.0.mlp.experts.2.up_proj", "model.layers.0.block_sparse_moe.experts.2.w3"),
+        ("qwen3_moe", "model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.1.gate_proj"),
+    ]:
+        per_expert, fused = Checkpoint(zoo.base(arch)), Checkpoint(zoo.fused_base(arch))
+        with safe_open(fused.path / "model.safetensors", "pt") as f:  # stored fused, read per expert
+            assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys() and f"{name}.weight" not in f.keys()
+        want = per_expert.read(f"{name}.weight")
+        for ckpt in (per_expert, fused):
+            assert expert_reference(ckpt, key) == f"{name}.weight"
+            assert torch.equal(reference_rows(ckpt, key, None), want)
+    llama = Checkpoint(zoo.base("llama"))
+    assert expert_reference(llama, "model.layers.0.mlp.experts.0.gate_proj") is None
+    assert expert_reference(Checkpoint(zoo.base("mixtral")), "model.layers.0.block_sparse_moe.experts.9.w1") is None
 
 
 def test_inspect_exl3_shows_bits_per_layer_and_codebook(exl3_dirs, cli):

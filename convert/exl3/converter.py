@@ -31,13 +31,13 @@ DEFAULT_HEAD_BITS = 6
 DEFAULT_CODEBOOK = "mul1"  # exllamav3's own default since 1.4
 HEAD_BITS = (*range(1, 9), 16)
 # model_types among tuneport's architectures that exllamav3 has a model class for (its
-# exllamav3/architecture/architectures.py); the others are refused before any work, with the reason.
-EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemma2", "smollm3")
+# exllamav3/architecture/architectures.py); the others are refused before any work, with the reason. The
+# mixtures of experts are quantized one linear per expert (exllamav3's BlockSparseMLP), each decode-checked
+# against the checkpoint's expert (read.expert_reference); the router stays fp16.
+EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemma2", "smollm3", "mixtral", "qwen3_moe")
 EXL3_NOT_SUPPORTED = {
     "granite": "exllamav3 has no architecture for GraniteForCausalLM",
     "olmo2": "exllamav3 has no architecture for Olmo2ForCausalLM (it has Olmo3's)",
-    **dict.fromkeys(("mixtral", "qwen3_moe"), "exllamav3 converts it, but tuneport's layer-by-layer decode check "
-                    "does not cover expert tensors yet"),
 }
 
 

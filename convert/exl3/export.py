@@ -166,10 +166,12 @@ def export_exl3(opts: ExportOptions, progress: Progress | None = None) -> Export
 
 
 def quantized_linear_count(merged: Checkpoint) -> int:
-    """The linears exllamav3 quantizes (every 2-D weight but the embedding; a tied head counts once), for the
-    progress bar."""
+    """The linears exllamav3 quantizes (every 2-D weight but the embedding and a mixture of experts' routers,
+    which it keeps fp16; a tied head counts once), for the progress bar."""
     arch = arch_for(merged.model_type)
-    n = sum(1 for name in merged.names() if len(merged.meta(name).shape) == 2 and name != f"{arch.embed}.weight")
+    router = f".{arch.experts.disk_block}.{arch.experts.router}.weight" if arch.experts else None
+    n = sum(1 for name in merged.names() if len(merged.meta(name).shape) == 2 and name != f"{arch.embed}.weight"
+            and not (router and name.endswith(router)))
     return n + int(merged.tied_embeddings)
 
 

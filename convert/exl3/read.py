@@ -2,15 +2,19 @@
 
 Layout: an HF directory whose ``config.json`` has ``quantization_config.quant_method == "exl3"`` (with ``bits``,
 ``head_bits``, ``codebook``, ``version``). Each quantized linear ``<key>`` stores ``<key>.trellis`` (I16
-``[in/16, out/16, 16K]``), ``<key>.suh`` (F16 ``[in]``), ``<key>.svh`` (F16 ``[out]``), optionally a 0-dim
-marker ``<key>.mcg`` or ``<key>.mul1`` and ``<key>.bias``; dimensions padded to multiples of 128 (the head's
-vocabulary too: slice logits to ``vocab_size``). Embeddings, norms and linears left unquantized keep
-``.weight`` (fp16 or bf16).
+``[in/16, out/16, 16K]``), ``<key>.suh`` (F16 ``[in]``), ``<key>.svh`` (F16 ``[out]``), optionally a 0-dim int32
+marker ``<key>.mcg`` or ``<key>.mul1`` holding its codebook's multiplier, and ``<key>.bias``; dimensions padded to
+multiples of 128 (the head's vocabulary too: slice logits to ``vocab_size``). Embeddings, norms, routers and
+linears left unquantized keep ``.weight`` (fp16 or bf16). Mixture-of-experts blocks are stored one linear per
+expert, under the names of exllamav3's architecture file (``<block>.experts.<e>.w1``/``w3``/``w2`` for Mixtral,
+``mlp.experts.<e>.gate_proj``/``up_proj``/``down_proj`` for Qwen3-MoE), whether the source kept them per expert
+or fused.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,12 +24,13 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import UserError
-from .codebook import codebook_of
+from .codebook import codebook_of, marker_problem
 from .hadamard import reconstruct
 from .trellis import TILE, Bits, bits_from_width, decode
 
 QUANT_METHOD = "exl3"
 TRELLIS, SUH, SVH = "trellis", "suh", "svh"
+MEMORY_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's projections as transformers 5 names them
 LEGACY_SIGNS = ("su", "sv")  # exllamav3's first layout: packed sign bits instead of fp16 scale vectors
 DECODE_ROWS = 1024  # input rows decoded at a time (a multiple of 128: the rotations work on 128-row blocks)
 # Linears exllamav3 stores split where the HF checkpoint keeps them fused (its architecture files slice the
@@ -86,6 +91,10 @@ class Exl3Model:
         except ValueError as e:
             raise UserError(f"{self.path}: {name}: {e}", "the EXL3 directory is corrupt: convert it again") from None
         codebook = codebook_of(names, key)
+        if codebook != "3inst" and (problem := marker_problem(codebook, self.ckpt.read(f"{key}.{codebook}"))):
+            raise UserError(f"{self.path}: the codebook marker {key}.{codebook} {problem}: a codebook tuneport "
+                            "cannot decode (exllamav3 writes the multiplier, fixed since its 0.0.9)",
+                            "convert the model again with exllamav3 0.0.9 or later")
         if not float(k).is_integer() and codebook != "mul1":
             raise UserError(f"{self.path}: {key} has {k} bits per weight with the {codebook} codebook (exllamav3 "
                             "writes half-integer bitrates with mul1 only)", "the EXL3 directory is corrupt")
@@ -131,11 +140,28 @@ class Exl3Model:
         }
 
 
+def expert_reference(reference: Checkpoint, key: str) -> str | None:
+    """The checkpoint's tensor for an expert linear ``key`` (``<layer>.<block>.experts.<e>.<projection>``), the block
+    and projection named either as on disk (Mixtral ``block_sparse_moe``, ``w1``/``w3``/``w2``) or as transformers
+    5 names them (``mlp``, ``gate_proj``/``up_proj``/``down_proj``); fused experts are served per expert by
+    ``Checkpoint``. None for other keys and dense models."""
+    layout = reference.arch.experts if reference.arch else None
+    m = re.fullmatch(r"(.*\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)", key)
+    if layout is None or m is None or m[2] not in (layout.disk_block, layout.memory_block):
+        return None
+    disk = dict(zip(MEMORY_PROJECTIONS, (layout.gate, layout.up, layout.down), strict=True)).get(m[4], m[4])
+    name = f"{m[1]}.{layout.disk_block}.experts.{m[3]}.{disk}.weight"
+    return name if name in reference else None
+
+
 def reference_rows(reference: Checkpoint, key: str, tied_head: str | None) -> torch.Tensor | None:
-    """The unquantized weight [out, in] exllamav3 quantized as ``key``: the tensor of that name, the tied
-    embedding for a head the checkpoint does not store, or the part's rows of a fused linear it split."""
+    """The unquantized weight [out, in] exllamav3 quantized as ``key``: the tensor of that name, an expert's
+    projection, the tied embedding for a head the checkpoint does not store, or the part's rows of a fused linear
+    it split."""
     if f"{key}.weight" in reference:
         return reference.read(f"{key}.weight")
+    if expert := expert_reference(reference, key):
+        return reference.read(expert)
     if key == "lm_head" and tied_head and tied_head in reference:
         return reference.read(tied_head)
     parent, _, part = key.rpartition(".")
