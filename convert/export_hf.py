@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import SIDE_FILES
-from .export import Progress, open_inputs
+from .inputs import Progress, open_inputs
 from .io import atomic_dir, write_tensors
 from .load_check import check_hf_dir
 from .manifest import input_entries, write_manifest

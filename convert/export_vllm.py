@@ -16,8 +16,8 @@ from .adapter import PEFT_PREFIX, Adapter
 from .arch import arch_for
 from .checkpoint import Checkpoint
 from .errors import UserError
-from .export import Progress, open_inputs
 from .export_hf import write_merged
+from .inputs import Progress, open_inputs
 from .io import atomic_dir
 from .load_check import check_adapter_dirs, check_hf_dir
 from .manifest import input_entries, write_manifest

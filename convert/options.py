@@ -96,7 +96,7 @@ class MergeOptions:
 
 @dataclass(kw_only=True)
 class ExportOptions(MergeOptions):
-    """``tuneport export``: an artifact for one engine (see ``tuneport.convert.export.TARGETS``)."""
+    """``tuneport export``: an artifact for one engine (see ``tuneport.convert.targets.TARGETS``)."""
 
     target: str
     adapter_mode: str = "merge"  # --adapters: merge into the model, or keep them as separate files
@@ -120,15 +120,12 @@ class ExportOptions(MergeOptions):
     accept_tokenizer_difference: bool = False  # gguf: write a file llama.cpp tokenizes differently from HF
 
     def __post_init__(self) -> None:
-        from .export import check_target_options
-
         super().__post_init__()
         self.calib = Path(self.calib).expanduser() if self.calib is not None else None
         self.work_dir = Path(self.work_dir).expanduser() if self.work_dir is not None else None
         self.ignore = list(self.ignore or [])
         self.accept_config_keys = list(self.accept_config_keys or [])
-        check_choice("--adapters", self.adapter_mode, ADAPTER_MODES)
-        check_target_options(self)
+        check_choice("--adapters", self.adapter_mode, ADAPTER_MODES)  # the target's own rules: export()
 
     def _check_adapters(self) -> None:  # exporting the base alone is fine
         pass

@@ -14,28 +14,28 @@ from .arch import ARCHS
 
 
 @dataclass(frozen=True)
-class Target:
+class MatrixColumn:
     key: str
     title: str
     engine: str  # what runs the artifact (and serves it)
     tests: tuple[str, ...]  # the parity tests parametrized from this column: tests/<file>::<function>
 
 
-TARGETS: tuple[Target, ...] = (
-    Target("merge", "merge (HF safetensors)", "transformers",
+COLUMNS: tuple[MatrixColumn, ...] = (
+    MatrixColumn("merge", "merge (HF safetensors)", "transformers",
            ("tests/test_merge_equivalence.py::test_every_architecture_merges_like_peft",)),
-    Target("gguf", "GGUF + GGUF LoRA", "llama.cpp (`serve --engine llamacpp`)",
+    MatrixColumn("gguf", "GGUF + GGUF LoRA", "llama.cpp (`serve --engine llamacpp`)",
            ("tests/test_gguf_export.py::test_model_parity_f32_f16_q8",
             "tests/test_gguf_export.py::test_every_architecture_lora_matches_peft")),
-    Target("vllm", "vLLM bundle", "vLLM (`serve --engine vllm`)",
+    MatrixColumn("vllm", "vLLM bundle", "vLLM (`serve --engine vllm`)",
            ("tests/test_vllm_export.py::test_every_architecture_serves_like_peft",)),
-    Target("awq", "AWQ (compressed-tensors)", "vLLM",
+    MatrixColumn("awq", "AWQ (compressed-tensors)", "vLLM",
            ("tests/test_awq.py::test_block_pass_equals_the_whole_model_forward",
             "tests/test_awq.py::test_folded_scales_leave_the_float_block_unchanged",
             "tests/test_awq.py::test_every_architecture_runs_in_vllm_as_tuneport_decodes_it")),
-    Target("mlx", "MLX", "mlx-lm (`serve --engine mlx`)",
+    MatrixColumn("mlx", "MLX", "mlx-lm (`serve --engine mlx`)",
            ("tests/test_mlx_export.py::test_every_architecture_equals_transformers",)),
-    Target("exl3", "EXL3", "ExLlamaV3 / TabbyAPI, CUDA only (`serve --engine exllamav3`)",
+    MatrixColumn("exl3", "EXL3", "ExLlamaV3 / TabbyAPI, CUDA only (`serve --engine exllamav3`)",
            ("tests/test_exl3.py::test_every_architecture_writes_and_decodes",)),
 )
 
@@ -81,4 +81,4 @@ def supported(target: str) -> list[str]:
 
 def matrix() -> dict[str, dict[str, str | None]]:
     """model_type -> target key -> None (supported) or the reason."""
-    return {m: {t.key: cell(t.key, m) for t in TARGETS} for m in model_types()}
+    return {m: {t.key: cell(t.key, m) for t in COLUMNS} for m in model_types()}

@@ -15,13 +15,15 @@ from tuneport.convert.adapter import load_adapter
 from tuneport.convert.arch import arch_for
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import adapter_for, cached_export, check_base
+from tuneport.convert.export import cached_export
 from tuneport.convert.gguf.gpu import llamacpp_compute, n_gpu_layers
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
+from tuneport.convert.inputs import adapter_for
 from tuneport.convert.io import cache_dir, config_digest, content_digest, write_once
 from tuneport.convert.options import model_name
+from tuneport.convert.targets import check_base
 
 from .engines.base import Event, GenerationRequest
 from .engines.llamacpp import LlamaCppEngine

@@ -16,12 +16,14 @@ from pathlib import Path
 from tuneport.convert.adapter import load_adapter
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import adapter_for, cached_export, check_base
+from tuneport.convert.export import cached_export
+from tuneport.convert.inputs import adapter_for
 from tuneport.convert.io import cache_dir, config_digest, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.mlx import ADAPTER_WEIGHTS, DEFAULT_SCALE
 from tuneport.convert.mlx.read import is_mlx_adapter, mlx_adapter_modules, mlx_model_info, read_mlx_adapter
 from tuneport.convert.options import model_name
+from tuneport.convert.targets import check_base
 
 from .engines.base import Event, GenerationRequest
 from .engines.hf_text import HfText

@@ -42,7 +42,7 @@ def refused(cli, out: Path, *args, expect: str) -> str:
 def plan_for(base: Path, adapter: Path | None = None):
     from tuneport.convert.arch import arch_for
     from tuneport.convert.checkpoint import Checkpoint
-    from tuneport.convert.export import load_weighted
+    from tuneport.convert.inputs import load_weighted
     from tuneport.convert.merge import plan_merge
     from tuneport.convert.options import AdapterSpec
 

@@ -108,7 +108,7 @@ def test_rules_cover_every_format_and_accelerator():
         for hw in (CPU, CUDA1, ROCM, MAC):
             for load in (ONE, BUSY):
                 try:
-                    assert choose_engine(art(fmt), hw, load, ALL).engine in policy.ENGINES
+                    assert choose_engine(art(fmt), hw, load, ALL).engine in policy.ENGINE_NAMES
                 except UserError as e:
                     assert fmt == "exl3" and hw is not CUDA1 or (hw is MAC and fmt in policy.QUANTIZED), e
 
@@ -116,7 +116,7 @@ def test_rules_cover_every_format_and_accelerator():
 def test_detect_and_installed():
     hw = detect_hardware()
     assert hw.accelerator in ("cuda", "rocm", "none") and hw.ram_bytes > 0
-    assert installed_engines() <= set(policy.ENGINES)
+    assert installed_engines() <= set(policy.ENGINE_NAMES)
 
 
 def test_detect_apple_silicon(monkeypatch):

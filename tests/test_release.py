@@ -270,7 +270,7 @@ def test_a_target_the_base_or_machine_cannot_make_fails_before_any_export(zoo, t
     def no_mlx():
         raise UserError("--target mlx needs mlx and mlx-lm (mlx is not installed)", INSTALL_HINT)
 
-    monkeypatch.setattr("tuneport.convert.mlx.export.require_mlx", no_mlx)
+    monkeypatch.setattr("tuneport.convert.mlx.require_mlx", no_mlx)
     recipe = write_recipe(tmp_path / "r.yaml", zoo.base("llama"), {"chat": zoo.adapter("llama", "plain")},
                           targets=GGUF_ONLY + "\n  - {type: mlx, quant: q4}")
     code, _, err = cli("release", recipe, "--out", tmp_path / "out")

@@ -2,6 +2,8 @@
 
 - nothing imports the repository's folders by their bare names (``convert``, ``serve``, ``toolkit``);
 - imports only point down the floors: convert <- serve <- toolkit, with the ``tuneport`` API on top;
+- no import cycle among the modules of a floor (lazy imports inside functions count: they hide a cycle, not
+  remove it);
 - no run of 6+ lines is repeated across convert/, serve/ and toolkit/ (one piece of code per job).
 """
 
@@ -74,6 +76,77 @@ def test_the_import_reader_resolves_relative_and_lazy_imports(tmp_path):
     found = imports(probe, tmp_path)
     assert (1, "tuneport.convert.serve") in found  # two dots from convert/gguf: tuneport.convert
     assert (2, "toolkit.cli") in found and (3, "tuneport.convert.gguf") in found and (7, "tuneport") in found
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of an installed module name (``tuneport.convert.gguf`` -> convert/gguf/__init__.py)."""
+    parts = name.split(".")
+    if parts[0] != "tuneport" or len(parts) < 2 or parts[1] not in FLOORS:
+        return None
+    stem = REPO.joinpath(*parts[1:])
+    for path in (stem.with_suffix(".py"), stem / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def import_graph(*folders: str) -> dict[Path, set[Path]]:
+    """Source file -> the floor files it imports (``from pkg import sub`` reaches the submodule ``sub``)."""
+    graph: dict[Path, set[Path]] = {}
+    for path in sources(*folders):
+        tree, package, deps = ast.parse(path.read_text()), package_of(path), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps.update(f for a in node.names if (f := module_file(a.name)))
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+                subs = [f for a in node.names if (f := module_file(f"{mod}.{a.name}"))]
+                deps.update(subs or [f for f in [module_file(mod)] if f])
+        graph[path] = deps - {path}
+    return graph
+
+
+def cycles(graph: dict[Path, set[Path]]) -> list[list[Path]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    out: list[list[Path]] = []
+
+    def visit(v: Path) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_within_the_floors():
+    found = cycles(import_graph("convert", "serve", "toolkit"))
+    assert not found, "\n".join(" -> ".join(sorted(str(p.relative_to(REPO)) for p in c)) for c in found)
+
+
+def test_the_cycle_finder():
+    a, b, c = (Path(n) for n in ("a.py", "b.py", "c.py"))
+    assert [set(x) for x in cycles({a: {b}, b: {c}, c: {a, b}})] == [{a, b, c}]
+    assert cycles({a: {b}, b: {c}, c: set()}) == []
+    graph = import_graph("convert")  # a lazy import inside a function is an edge: export.py -> export_hf.py
+    assert REPO / "convert" / "export_hf.py" in graph[REPO / "convert" / "export.py"]
 
 
 _SKIP = re.compile(r"^(#.*|[\s()\[\]{}:,]*|(from\s+\S+\s+)?import\s.*|\"\"\"|''')$")

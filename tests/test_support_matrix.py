@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tuneport.convert.arch import ARCHS
-from tuneport.convert.support import TARGETS, supported
+from tuneport.convert.support import COLUMNS, supported
 from tuneport.toolkit.arch_docs import DOC, render
 from tuneport.toolkit.tiny import TINY_ARCHS
 
@@ -34,7 +34,7 @@ def parametrized_archs(test: str) -> set[str]:
     return archs
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=[f"{t.key}-column" for t in TARGETS])
+@pytest.mark.parametrize("target", COLUMNS, ids=[f"{t.key}-column" for t in COLUMNS])
 def test_every_column_is_tested_on_every_architecture_it_claims(target):
     for test in target.tests:
         assert parametrized_archs(test) == set(supported(target.key)), test
@@ -51,13 +51,13 @@ def test_docs_architectures_is_generated_from_the_tables():
     assert DOC.read_text() == render(), "docs/architectures.md is stale: python -m tuneport.toolkit.arch_docs --write"
 
 
-@pytest.mark.parametrize("target", [t.key for t in TARGETS if t.key not in ("merge", "vllm")])
+@pytest.mark.parametrize("target", [t.key for t in COLUMNS if t.key not in ("merge", "vllm")])
 def test_every_refused_cell_is_refused_by_the_export_with_its_reason(zoo, target):
     """A cell's reason is what `export --target` says (the base check, before any work)."""
     from tuneport.convert.checkpoint import Checkpoint
     from tuneport.convert.errors import UserError
-    from tuneport.convert.export import check_base
     from tuneport.convert.support import cell
+    from tuneport.convert.targets import check_base
 
     for model_type in ARCHS:
         why = cell(target, model_type)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tuneport.convert.arch import ARCHS
 from tuneport.convert.gguf.config_keys import GGUF_CONFIG_RULES
-from tuneport.convert.support import NOT_YET, NOT_YET_REASON, TARGETS, matrix
+from tuneport.convert.support import COLUMNS, NOT_YET, NOT_YET_REASON, matrix
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 HEADER = """# Architectures
@@ -30,15 +30,15 @@ def _cell(reason: str | None) -> str:
 
 def render() -> str:
     lines = [HEADER, "## Support matrix", ""]
-    lines.append("| model_type | " + " | ".join(t.title for t in TARGETS) + " |")
-    lines.append("|---" * (len(TARGETS) + 1) + "|")
+    lines.append("| model_type | " + " | ".join(t.title for t in COLUMNS) + " |")
+    lines.append("|---" * (len(COLUMNS) + 1) + "|")
     for model_type, row in matrix().items():
-        lines.append(f"| `{model_type}` | " + " | ".join(_cell(row[t.key]) for t in TARGETS) + " |")
+        lines.append(f"| `{model_type}` | " + " | ".join(_cell(row[t.key]) for t in COLUMNS) + " |")
     if NOT_YET:
         lines += ["", f"Not supported yet ({NOT_YET_REASON}):", ""]
         lines += [f"- `{m}`: {what}" for m, what in NOT_YET.items()]
     lines += ["", "Engines and the tests behind each column:", ""]
-    lines += [f"- **{t.title}**: {t.engine}; " + ", ".join(f"`{x}`" for x in t.tests) for t in TARGETS]
+    lines += [f"- **{t.title}**: {t.engine}; " + ", ".join(f"`{x}`" for x in t.tests) for t in COLUMNS]
     lines += ["", "Notes per architecture:", ""]
     lines += [f"- `{m}`: " + "; ".join(spec.notes) for m, spec in ARCHS.items() if spec.notes]
     lines += _reads()

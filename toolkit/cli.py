@@ -19,8 +19,8 @@ from typing import Annotated
 import typer
 
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import TARGETS
 from tuneport.convert.options import ADAPTER_MODES, DTYPES
+from tuneport.convert.targets import TARGETS
 from tuneport.serve.registry import ENGINES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

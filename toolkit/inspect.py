@@ -9,7 +9,6 @@ from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, rea
 from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
 from tuneport.convert.checkpoint import Checkpoint, user_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.export import TARGETS, base_refusal
 from tuneport.convert.gguf.lora import lora_refusals
 from tuneport.convert.gguf.model import GGUF_ARCHS, gguf_arch_for
 from tuneport.convert.gguf.read import gguf_field, is_lora, open_gguf
@@ -22,6 +21,7 @@ from tuneport.convert.mlx.read import (
     mlx_model_info,
     mlx_weights,
 )
+from tuneport.convert.targets import TARGETS, base_refusal
 from tuneport.convert.vllm_rules import preflight
 
 # Every verdict below comes from the rule functions the exporters and preflights use themselves

@@ -21,10 +21,11 @@ from tuneport.convert.adapter import resolve_adapter_path
 from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_model_path
 from tuneport.convert.errors import FidelityError, UserError
 from tuneport.convert.exl3.converter import requirements as exl3_requirements
-from tuneport.convert.export import check_base, export, merge
+from tuneport.convert.export import export, merge
 from tuneport.convert.gguf.gpu import n_gpu_layers
 from tuneport.convert.io import content_digest, sha256_file
 from tuneport.convert.options import coerce_options
+from tuneport.convert.targets import check_base
 
 from .progress import stdout
 from .recipe import TARGET_TYPES, AWQTarget, GGUFTarget, Recipe, load_recipe, resolve_local

@@ -18,9 +18,9 @@ from ..checkpoint import Checkpoint
 from ..cpu import w4a16_cpu_problem
 from ..errors import UserError
 from ..experts import expert_tensor
-from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
 from ..export_vllm import LAUNCH_SH, check_for_vllm, launch_args, write_launch, write_vllm_adapter
+from ..inputs import Progress, open_inputs
 from ..io import ShardedSafetensorsWriter, atomic_dir
 from ..load_check import check_adapter_dirs, check_hf_dir
 from ..manifest import input_entries, write_manifest

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..arch import arch_for
 from ..checkpoint import Checkpoint
 from ..errors import FidelityError, UserError
-from ..export import Progress, open_inputs
+from ..inputs import Progress, open_inputs
 from ..io import atomic_dir, check_output_path, content_digest
 from ..manifest import input_entries, write_manifest
 from ..options import ExportOptions, ExportResult

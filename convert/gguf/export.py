@@ -10,8 +10,8 @@ import torch
 
 from ..arch import ArchSpec, arch_for
 from ..errors import UserError
-from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
+from ..inputs import Progress, open_inputs
 from ..io import atomic_dir
 from ..manifest import input_entries, write_manifest
 from ..merge import MergePlan, merge_one, plan_merge

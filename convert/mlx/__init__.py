@@ -19,3 +19,17 @@ QUANT_NAMES = ("q2", "q3", "q4", "q5", "q6", "q8", "mxfp4", "nvfp4", "mxfp8",
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64  # mlx-lm's default for affine quantization
 INSTALL_HINT = "pip install 'tuneport[mlx]' (mlx[cpu] on Linux, mlx on Apple Silicon)"
+
+
+def require_mlx() -> None:
+    """mlx (imported: it must run here) and mlx-lm (found; importing it costs seconds of transformers)."""
+    import importlib.util
+
+    from ..errors import UserError
+
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--target mlx needs mlx ({e})", INSTALL_HINT) from None
+    if importlib.util.find_spec("mlx_lm") is None:
+        raise UserError("--target mlx needs mlx-lm, which is not installed", INSTALL_HINT)

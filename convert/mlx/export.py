@@ -20,14 +20,13 @@ import torch
 
 from ..errors import UserError
 from ..experts import expert_groups
-from ..export import Progress, open_inputs
 from ..export_hf import copy_side_files
+from ..inputs import Progress, open_inputs
 from ..io import atomic_dir, write_tensors
 from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, OUT_DTYPES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult
 from ..tensors import TensorMeta
-from . import INSTALL_HINT
 from .adapters import MlxAdapter, mlx_adapter, write_mlx_adapter
 from .archs import MlxArch, mlx_arch_for, mlx_config
 from .config_keys import audit_mlx_config, engine_only_keys, fill_transformers_defaults
@@ -37,18 +36,6 @@ log = logging.getLogger(__name__)
 SERVE_SH = "serve-mlx.sh"
 DROPPED = ("rotary_emb.inv_freq",)  # buffers old checkpoints saved; mlx-lm's sanitize drops them
 DTYPE_BY_NAME = {v: k for k, v in CONFIG_DTYPE_NAMES.items()}
-
-
-def require_mlx() -> None:
-    """mlx (imported: it must run here) and mlx-lm (found; importing it costs seconds of transformers)."""
-    import importlib.util
-
-    try:
-        import mlx.core  # noqa: F401
-    except ImportError as e:
-        raise UserError(f"--target mlx needs mlx ({e})", INSTALL_HINT) from None
-    if importlib.util.find_spec("mlx_lm") is None:
-        raise UserError("--target mlx needs mlx-lm, which is not installed", INSTALL_HINT)
 
 
 def output_dtype(plan: MergePlan, dtype: str) -> torch.dtype:

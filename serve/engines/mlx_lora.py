@@ -44,7 +44,7 @@ class ModuleLora:
 
 
 @dataclass(frozen=True)
-class Target:
+class LoraTarget:
     """A module adapters may adapt: its kind and the shapes its LoRA matrices must have."""
 
     kind: str  # "linear", "embedding" or "switch" (a projection of stacked experts)
@@ -60,7 +60,7 @@ def _dims(module: nn.Module) -> tuple[int, int]:
     return rows, (cols * 32 // bits if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else cols)
 
 
-def targets(model: nn.Module) -> dict[str, Target]:
+def targets(model: nn.Module) -> dict[str, LoraTarget]:
     """Every linear and embedding of ``model`` by path (mlx parameter names without ``.weight``)."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -73,18 +73,18 @@ def targets(model: nn.Module) -> dict[str, Target]:
                 n_experts, n_out, cols = proj.weight.shape
                 bits = getattr(proj, "bits", None)
                 n_in = cols * 32 // bits if "scales" in proj else cols
-                out[f"{path}.{name}"] = Target("switch", n_in, n_out, n_experts)
+                out[f"{path}.{name}"] = LoraTarget("switch", n_in, n_out, n_experts)
             continue
         if isinstance(base, LINEARS):
             n_out, n_in = _dims(base)
-            out[path] = Target("linear", n_in, n_out)
+            out[path] = LoraTarget("linear", n_in, n_out)
         elif isinstance(base, EMBEDDINGS):
             vocab, dims = _dims(base)
-            out[path] = Target("embedding", vocab, dims)
+            out[path] = LoraTarget("embedding", vocab, dims)
     return {p: t for p, t in out.items() if not p.endswith(".base")}
 
 
-def misfits(found: dict[str, Target], weights: dict[str, ModuleLora]) -> list[str]:
+def misfits(found: dict[str, LoraTarget], weights: dict[str, ModuleLora]) -> list[str]:
     """Why ``weights`` cannot go on a model with these targets (empty when they fit)."""
     problems = []
     for path, w in weights.items():

@@ -32,7 +32,7 @@ from .choice import (
     ServeLoad,
     choose_engine,
 )
-from .hardware import ENGINES, GIB, INSTALL_HINTS, MIB, Hardware, apple_silicon, detect_hardware, installed_engines
+from .hardware import ENGINE_NAMES, GIB, INSTALL_HINTS, MIB, Hardware, apple_silicon, detect_hardware, installed_engines
 from .plan import (
     LLAMACPP_KV_PAD,
     LLAMACPP_SEQS_PER_CONTEXT,
@@ -59,6 +59,6 @@ __all__ = [
     "choose_engine", "LLAMACPP_KV_PAD", "LLAMACPP_SEQS_PER_CONTEXT", "MLX_KV_STEP", "PLAN_COLUMNS", "plan_llamacpp",
     "plan_mlx", "plan_vllm",
     "VLLM_DTYPE_BYTES", "MemoryPlan", "dry_run", "format_dry_run", "human_bytes", "memory_plan", "shell_line",
-    "ENGINES", "GIB", "INSTALL_HINTS", "MIB", "Hardware", "apple_silicon", "detect_hardware",
+    "ENGINE_NAMES", "GIB", "INSTALL_HINTS", "MIB", "Hardware", "apple_silicon", "detect_hardware",
     "installed_engines", "nginx_upstream", "replica_commands",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..registry import ENGINES as _REGISTRY
 
-ENGINES = tuple(_REGISTRY)  # the values of `tuneport serve --engine` (besides auto)
+ENGINE_NAMES = tuple(_REGISTRY)  # the values of `tuneport serve --engine` (besides auto)
 INSTALL_HINTS = {e.name: e.install_hint for e in _REGISTRY.values()}
 GIB = 1 << 30
 MIB = 1 << 20
