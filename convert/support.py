@@ -42,8 +42,8 @@ COLUMNS: tuple[MatrixColumn, ...] = (
 # target -> "module:function" under tuneport.convert that says why it refuses a model_type (None: it
 # exports it); merge reads the HF layout as it is, so every architecture in ARCHS.
 REFUSALS: dict[str, str] = {
-    "merge": ":", "vllm": "vllm_rules:vllm_refusal", "gguf": "gguf.model:gguf_refusal", "awq": "awq.archs:awq_refusal",
-    "mlx": "mlx.archs:mlx_refusal", "exl3": "exl3.converter:exl3_refusal",
+    "merge": ":", "vllm": "vllm_rules:vllm_refusal", "gguf": "gguf.model:gguf_refusal",
+    "awq": "calibration.layouts:awq_refusal", "mlx": "mlx.archs:mlx_refusal", "exl3": "exl3.converter:exl3_refusal",
 }
 
 # Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.

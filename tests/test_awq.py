@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 
 import tuneport
 from tuneport.convert.arch import ARCHS
-from tuneport.convert.awq.archs import awq_arch_for
-from tuneport.convert.awq.blocks import BlockPass
-from tuneport.convert.awq.calib import HELDOUT_MODULES, stdlib_text, token_chunks
-from tuneport.convert.awq.core import hooked_modules
 from tuneport.convert.awq.export import calibrated_checkpoint
 from tuneport.convert.awq.formats import FORMATS, scheme_of
 from tuneport.convert.awq.quant import QuantScheme, dequantize, fake_quantize, quantize
+from tuneport.convert.calibration.blocks import BlockPass
+from tuneport.convert.calibration.hooks import hooked_modules
+from tuneport.convert.calibration.layouts import awq_arch_for
+from tuneport.convert.calibration.text import HELDOUT_MODULES, stdlib_text, token_chunks
 from tuneport.convert.checkpoint import Checkpoint
 from tuneport.convert.cpu import w4a16_cpu_problem
 from tuneport.convert.merge import plan_merge
@@ -182,7 +182,7 @@ def test_awq_gemm_names_fused_sets_kept_16bit_as_vllm_fuses_them(zoo, tmp_path):
 def test_every_architecture_of_the_table_has_an_awq_entry():
     """AWQ calibrates every architecture tuneport knows (a multimodal checkpoint's text model): a new table entry
     without one fails here, and the support matrix would show the refusal."""
-    from tuneport.convert.awq.archs import awq_refusal
+    from tuneport.convert.calibration.layouts import awq_refusal
     from tuneport.convert.support import model_types
 
     assert {m: awq_refusal(m) for m in model_types() if awq_refusal(m)} == {}
@@ -400,7 +400,8 @@ def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     expert's up -> down) keeps the fp32 block's output."""
     import copy
 
-    from tuneport.convert.awq.core import BlockResult, fold_scales, hooked_modules
+    from tuneport.convert.awq.core import BlockResult, fold_scales
+    from tuneport.convert.calibration.hooks import hooked_modules
     from tuneport.toolkit.tiny import make_base
 
     # as many KV heads as query heads, so that v_proj feeds o_proj 1:1 and that fold is tested too
@@ -417,7 +418,8 @@ def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     fold_scales(block, spec, scheme, quantized, result)
     assert len(result.groups) == sum(g.prev is not None for g in spec.groups)
     if spec.moe_norm:  # the experts' shared gate/up scale (norm and router too) and each expert's down scale
-        from tuneport.convert.awq.core import expert_modules, fold_expert_scales
+        from tuneport.convert.awq.core import fold_expert_scales
+        from tuneport.convert.calibration.hooks import expert_modules
 
         fold_expert_scales(block, spec, scheme, set(expert_modules(block).values()), result)
         n_experts = block.module.mlp.experts.gate_up_proj.shape[0]
@@ -456,7 +458,8 @@ def test_adapter_rewritten_for_the_folded_base_is_exact(tmp_path, arch):
 
     from tuneport.convert.adapter import load_adapter
     from tuneport.convert.awq.adapters import rescale_adapter
-    from tuneport.convert.awq.core import BlockResult, fold_scales, hooked_modules
+    from tuneport.convert.awq.core import BlockResult, fold_scales
+    from tuneport.convert.calibration.hooks import hooked_modules
     from tuneport.toolkit.tiny import make_adapter, make_base
 
     base = make_base(arch, tmp_path / "base", dims={"num_key_value_heads": 4})  # every fold (qwen2: v bias too)

@@ -90,7 +90,7 @@ def compare(ours: IMatrix, theirs: IMatrix) -> dict[str, tuple[float, float, flo
 
 
 def _calibrated_archs() -> list[str]:
-    from tuneport.convert.awq.archs import AWQ_ARCHS
+    from tuneport.convert.calibration.layouts import AWQ_ARCHS
     from tuneport.convert.support import supported
 
     return [a for a in supported("gguf") if a in AWQ_ARCHS and AWQ_ARCHS[a].moe_norm is None]
@@ -170,7 +170,7 @@ def test_export_with_calib_file(zoo, tmp_path, cli):
     """--calib FILE: the matrix is written as imatrix.gguf, recorded in the manifest, and llama.cpp uses it."""
     from gguf import GGUFReader
 
-    from tuneport.convert.awq.calib import stdlib_text
+    from tuneport.convert.calibration.text import stdlib_text
     from tuneport.convert.gguf.quant_types import QUANT_TYPES
     from tuneport.convert.gguf.quantize import quantize_with_llamacpp
 
@@ -282,7 +282,7 @@ def heldout_ids(base: Path, n: int = 24) -> torch.Tensor:
     """``n`` chunks of SEQLEN tokens of held-out text, spread over it."""
     from transformers import AutoTokenizer
 
-    from tuneport.convert.awq.calib import HELDOUT_MODULES, stdlib_text, token_chunks
+    from tuneport.convert.calibration.text import HELDOUT_MODULES, stdlib_text, token_chunks
 
     chunks = token_chunks(AutoTokenizer.from_pretrained(base), stdlib_text(HELDOUT_MODULES), SEQLEN)
     step = max(1, len(chunks) // n)
@@ -419,7 +419,7 @@ def test_agrees_with_llama_imatrix(trained, llama_tools, tmp_path, capsys):
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
-    from tuneport.convert.awq.calib import stdlib_text, token_chunks
+    from tuneport.convert.calibration.text import stdlib_text, token_chunks
     from tuneport.convert.gguf.quant_types import QUANT_TYPES
     from tuneport.convert.gguf.quantize import quantize_with_llamacpp
     from tuneport.toolkit.fidelity import llamacpp_model
@@ -490,7 +490,7 @@ def test_mixture_of_experts_agrees_with_llama_imatrix(zoo, llama_tools, tmp_path
     loads and runs."""
     from gguf import GGUFReader
 
-    from tuneport.convert.awq.calib import stdlib_text
+    from tuneport.convert.calibration.text import stdlib_text
     from tuneport.convert.gguf.quant_types import QUANT_TYPES
     from tuneport.convert.gguf.quantize import quantize_with_llamacpp
     from tuneport.toolkit.fidelity import llamacpp_model

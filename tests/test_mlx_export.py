@@ -279,7 +279,7 @@ def test_quantization_kl_on_a_trained_model(tmp_path, capsys):
     from transformers import AutoTokenizer
 
     import tuneport
-    from tuneport.convert.awq.calib import HELDOUT_MODULES, stdlib_text, token_chunks
+    from tuneport.convert.calibration.text import HELDOUT_MODULES, stdlib_text, token_chunks
     from tuneport.convert.mlx.quant import QUANT_TYPES
     from tuneport.toolkit.tiny.trained import trained_llama
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .archs import AWQArch
-from .blocks import Block
+from ..calibration.blocks import Block
+from ..calibration.hooks import expert_modules
+from ..calibration.layouts import AWQArch
 from .formats import AWQFormat
 from .quant import QuantScheme, quantize
 from .search import apply_clip, search_clip, search_scale
@@ -20,11 +21,6 @@ class BlockResult:
     groups: list[dict] = field(default_factory=list)  # per scale group: alpha, loss vs round-to-nearest
     # module -> {"input_scale": s, "output_scale": s}: what its input / output is divided by inside the model
     scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-
-def hooked_modules(arch: AWQArch) -> tuple[str, ...]:
-    """The module whose input is recorded for each scale group (its linears share that input)."""
-    return tuple(g.linears[0] for g in arch.groups)
 
 
 @torch.no_grad()
@@ -69,13 +65,6 @@ def fold_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set
         result.groups.append({"group": group.linears, "alpha": found.alpha,
                               "loss_vs_rtn": found.loss / found.loss_unscaled if found.loss_unscaled else 1.0})
     return inputs
-
-
-def expert_modules(block: Block) -> dict[tuple[int, str], str]:
-    """(expert, projection on disk) -> the per-expert module's checkpoint name, for a mixture-of-experts block."""
-    layout, experts = block.experts, block.module.get_submodule(f"{block.experts.memory_block}.experts")
-    return {(e, p): f"{block.prefix}{layout.disk_block}.experts.{e}.{p}"
-            for e in range(experts.gate_up_proj.shape[0]) for p in (layout.gate, layout.up, layout.down)}
 
 
 def _expert_weights(experts: torch.nn.Module, layout, e: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,10 @@ from pathlib import Path
 import torch
 
 from ..arch import arch_for
+from ..calibration.blocks import NOT_WEIGHTS, BlockPass
+from ..calibration.hooks import hooked_modules
+from ..calibration.layouts import FUSED_SETS, awq_arch_for, dense_layers_refusal
+from ..calibration.text import load_calibration
 from ..checkpoint import Checkpoint
 from ..cpu import w4a16_cpu_problem
 from ..errors import UserError
@@ -30,10 +34,7 @@ from ..options import ExportOptions, ExportResult, model_name
 from ..tensors import TensorMeta
 from ..vllm_rules import float16_refusal, round_lora_rank
 from .adapters import SCALES_FILE, mark_rescaled, rescale_adapter, scales_digest, write_scales
-from .archs import FUSED_SETS, awq_arch_for, dense_layers_refusal
-from .blocks import NOT_WEIGHTS, BlockPass
-from .calib import load_calibration
-from .core import hooked_modules, quantize_block
+from .core import quantize_block
 from .formats import DEFAULT_FORMAT, PACK, AWQFormat, format_for
 from .quant import QuantScheme
 

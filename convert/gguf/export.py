@@ -52,7 +52,7 @@ def build_imatrix(opts: ExportOptions, plan: MergePlan, arch: ArchSpec, tok_dir:
     """The calibration text through the (merged) model, one block at a time: (matrix, calibration description)."""
     from transformers import AutoTokenizer
 
-    from ..awq.calib import load_calibration
+    from ..calibration.text import load_calibration
 
     max_len = plan.config.get("max_position_embeddings")
     calib = load_calibration(AutoTokenizer.from_pretrained(tok_dir), opts.calib, opts.calib_samples,

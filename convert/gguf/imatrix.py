@@ -3,7 +3,7 @@
 An importance matrix holds, for every weight that llama.cpp quantizes, the sum of x² over the calibration
 tokens for each input column of that weight, and the token count; llama.cpp's quantizer weighs each
 column's rounding error by the mean (sum / count). tuneport computes it with the AWQ calibration pass
-(``convert.awq.blocks.BlockPass``: transformers' own decoder layers, one block in memory at a time), names
+(``convert.calibration.blocks.BlockPass``: transformers' own decoder layers, one block in memory at a time), names
 it with the GGUF exporter's own tensor names, and writes llama.cpp's GGUF imatrix file (as
 ``llama-imatrix`` does: ``general.type = imatrix``, ``imatrix.datasets``, ``imatrix.chunk_count``,
 ``imatrix.chunk_size``, and per tensor ``<name>.in_sum2`` F32 [n_cols, n_mat] and ``<name>.counts`` F32
@@ -97,7 +97,7 @@ def gguf_stacks(arch: ArchSpec, plan: MergePlan) -> dict[str, tuple[str, int]]:
 
 def calibration_arch(model_type: str, config: dict | None = None):
     """The calibration pass's table entry (transformers layer classes, linears sharing an input)."""
-    from ..awq.archs import AWQ_ARCHS, NOT_SUPPORTED, dense_layers_refusal
+    from ..calibration.layouts import AWQ_ARCHS, NOT_SUPPORTED, dense_layers_refusal
 
     if model_type in AWQ_ARCHS:
         carch = AWQ_ARCHS[model_type]
@@ -117,8 +117,8 @@ def compute_imatrix(plan: MergePlan, arch: ArchSpec, ids, *, dataset: str = "", 
     importance matrix of every block linear, plus ``output.weight`` (from the final norm's output) when
     ``process_output`` and the GGUF has its own output tensor (with tied embeddings llama.cpp reuses
     ``token_embd.weight``, for which ``llama-imatrix`` records nothing either)."""
-    from ..awq.blocks import BlockPass
-    from ..awq.core import hooked_modules
+    from ..calibration.blocks import BlockPass
+    from ..calibration.hooks import hooked_modules
 
     carch = calibration_arch(arch.model_type, plan.config)
     names = gguf_names(arch, plan)
@@ -147,7 +147,7 @@ def compute_imatrix(plan: MergePlan, arch: ArchSpec, ids, *, dataset: str = "", 
 def _add_experts(im: IMatrix, block, names: dict[str, str], stacks: dict[str, tuple[str, int]]) -> None:
     """A mixture-of-experts block: the router over every token, each stacked projection one row per expert
     over the tokens routed to it (its down_proj over act(gate) * up), as llama-imatrix records MUL_MAT_ID."""
-    from ..awq.core import expert_modules
+    from ..calibration.hooks import expert_modules
 
     layout = block.experts
     every = block.stats["experts"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tuneport.convert.awq.calib import CALIB_MODULES, HELDOUT_MODULES, stdlib_text
+from tuneport.convert.calibration.text import CALIB_MODULES, HELDOUT_MODULES, stdlib_text
 from tuneport.convert.io import write_once
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch
 from ..arch import ExpertLayout
 from ..fused_experts import fuse_to_memory
 from ..merge import MergePlan, merge_one
-from .archs import AWQArch
+from .layouts import AWQArch
 
 FORWARD_TOKENS = 1024  # tokens per block forward (bounds the attention and MLP activations)
 NOT_WEIGHTS = (".rotary_emb.inv_freq",)  # buffers some old checkpoints saved: recomputed by the layer
