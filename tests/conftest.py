@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -77,12 +78,45 @@ def summary(request) -> list[str]:
 def pytest_terminal_summary(terminalreporter, config):
     for line in dict.fromkeys(config.stash.get(SUMMARY, [])):
         terminalreporter.write_line(line)
+    if slow := config.stash[BUDGET].over():
+        terminalreporter.write_line(f"FAILED: the default run allows {DEFAULT_RUN_LIMIT_S:.0f} s per test (setup "
+                                    "included); mark these slow or make them faster:", red=True)
+        for line in slow:
+            terminalreporter.write_line(f"  {line}", red=True)
+
+
+# The default run (`pytest`, i.e. -m "not slow") has a budget: no test over this many seconds, its setup and
+# teardown included (a module's shared fixtures count for its first test). Slower checks are marked slow (CI).
+DEFAULT_RUN_LIMIT_S = 20.0
+
+
+class DefaultRunBudget:
+    """Seconds per test, added up on the process that reports them (the controller, under xdist)."""
+
+    def __init__(self, config) -> None:
+        self.config, self.seconds = config, defaultdict(float)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def over(self) -> list[str]:
+        """Tests of the default selection that took over the limit, slowest first."""
+        if self.config.getoption("markexpr") != "not slow" or hasattr(self.config, "workerinput"):
+            return []
+        over = sorted(((v, k) for k, v in self.seconds.items() if v > DEFAULT_RUN_LIMIT_S), reverse=True)
+        return [f"{v:.1f}s {k}" for v, k in over]
+
+
+BUDGET = pytest.StashKey[DefaultRunBudget]()
 
 
 def pytest_sessionfinish(session):
-    """An xdist worker hands its summary lines to the controller, which prints them."""
+    """An xdist worker hands its summary lines to the controller, which prints them; the default run fails when
+    one of its tests took over DEFAULT_RUN_LIMIT_S."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["tuneport_summary"] = session.config.stash.get(SUMMARY, [])
+    elif session.config.stash[BUDGET].over() and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -92,6 +126,8 @@ def pytest_testnodedown(node, error):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "mlx: runs mlx-lm in this process (mlx[cpu] on Linux)")
+    config.stash[BUDGET] = DefaultRunBudget(config)
+    config.pluginmanager.register(config.stash[BUDGET], "tuneport-default-run-budget")
 
 
 # The modules that take longest in CI (--durations, serial: 380 s down to 75 s), run first: with `make test`'s two

@@ -397,6 +397,22 @@ def write_exl3(src: Path, out: Path, bits: int = 4, head_bits: int = 6, codebook
         shutil.copy(f, out / f.name)
 
 
+def cached_exl3(src: Path, **settings) -> Path:
+    """``write_exl3(src, ..., **settings)`` built once and kept in the fixture cache, keyed by content: the base's
+    files, the settings and the source of this module and of the trellis code it encodes with."""
+    import hashlib
+
+    from tuneport.convert.exl3 import codebook, hadamard
+    from tuneport.convert.io import write_once
+    from tuneport.toolkit.tiny.trained import fixture_cache
+
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for f in [Path(__file__), Path(T.__file__), Path(codebook.__file__), Path(hadamard.__file__),
+              *sorted(p for p in src.iterdir() if p.is_file())]:
+        h.update(f.name.encode() + f.read_bytes())
+    return write_once(fixture_cache() / f"exl3-{h.hexdigest()[:16]}", lambda tmp: write_exl3(src, tmp, **settings))
+
+
 def decoded_reference(exl3: Path, src: Path, out: Path, noise: float = 1e-3) -> None:
     """``src`` with each linear replaced by the EXL3 directory's decoded weight (cut to size) plus relative
     ``noise``: the merged weights an exact converter would have started from."""
@@ -424,7 +440,7 @@ def decoded_reference(exl3: Path, src: Path, out: Path, noise: float = 1e-3) -> 
 def exl3_dirs(zoo, tmp_path_factory):
     root = tmp_path_factory.mktemp("exl3")
     src = zoo.base("llama", tied=True)  # the head is quantized from the tied embedding
-    write_exl3(src, root / "exl3")
+    shutil.copytree(cached_exl3(src), root / "exl3")  # a copy: some tests corrupt it
     decoded_reference(root / "exl3", src, root / "merged")
     return root / "exl3", root / "merged"
 
@@ -465,8 +481,7 @@ def test_every_architecture_writes_and_decodes(zoo, tmp_path, arch):
     checkpoint's experts whether it keeps them per expert or fused (transformers 5's layout)."""
     from tuneport.convert.checkpoint import Checkpoint
 
-    write_exl3(zoo.base(arch), tmp_path / "exl3", bits=2, head_bits=2)  # 2 bits: about twice as fast to encode
-    model = Exl3Model(tmp_path / "exl3")
+    model = Exl3Model(cached_exl3(zoo.base(arch), bits=2, head_bits=2))  # 2 bits: about twice as fast to encode
     report = decode_check(model, Checkpoint(zoo.base(arch)))
     assert len(report["layers"]) == len(model.linears) >= 2 * 7 and report["worst"] < expected_error(2)
     experts = Checkpoint(zoo.base(arch)).arch.experts
@@ -489,8 +504,7 @@ def test_decode_check_reads_fused_linears_exllamav3_splits(zoo, tmp_path):
     of the fused weight, and no layer is left unchecked."""
     from tuneport.convert.checkpoint import Checkpoint
 
-    write_exl3(zoo.base("phi3"), tmp_path / "exl3")
-    model = Exl3Model(tmp_path / "exl3")
+    model = Exl3Model(cached_exl3(zoo.base("phi3")))
     assert "model.layers.0.self_attn.k_proj" in model.linears and "model.layers.0.mlp.up_proj" in model.linears
     report = decode_check(model, Checkpoint(zoo.base("phi3")))
     assert len(report["layers"]) == 2 * 7 + 1 and report["worst"] < expected_error(4)

@@ -7,11 +7,12 @@ and an EXL3 recipe target recorded as "not measured: needs CUDA". The engine its
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import yaml
 from safetensors.torch import load_file
-from test_exl3 import write_exl3
+from test_exl3 import cached_exl3
 
 from tuneport.convert.exl3.tabby import CACHE_QUANTUM, DOCUMENTED_KEYS, tabby_config, write_tabby_config
 
@@ -19,7 +20,7 @@ from tuneport.convert.exl3.tabby import CACHE_QUANTUM, DOCUMENTED_KEYS, tabby_co
 @pytest.fixture(scope="module")
 def exl3_model(zoo, tmp_path_factory):
     out = tmp_path_factory.mktemp("exl3-serve") / "tiny-exl3"
-    write_exl3(zoo.base("llama"), out)
+    shutil.copytree(cached_exl3(zoo.base("llama"), bits=2, head_bits=2), out)  # 2 bits: the fastest to encode
     return out
 
 
