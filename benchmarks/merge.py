@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, run_cmd, run_python, table  # noqa: E402
 
-from tuneport.convert.io import ShardedSafetensorsWriter  # noqa: E402
+from tuneport.convert.shards import ShardedSafetensorsWriter  # noqa: E402
 from tuneport.convert.tensors import TensorMeta  # noqa: E402
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

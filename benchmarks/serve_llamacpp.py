@@ -39,7 +39,7 @@ from merge import llama_specs  # noqa: E402
 # benchmarks/gguf.py would shadow the gguf package: drop this folder from the path again
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
-from tuneport.convert.io import ShardedSafetensorsWriter  # noqa: E402
+from tuneport.convert.shards import ShardedSafetensorsWriter  # noqa: E402
 
 R, N_ADAPTERS, SLOTS, N_CTX = 16, 32, 8, 1024
 

@@ -19,7 +19,7 @@ import torch
 from .arch import ArchSpec, known_arch
 from .errors import UserError
 from .fused_experts import ExpertRows, fused_views
-from .io import sha256_file
+from .hashing import sha256_file
 from .safetensors_file import SafetensorsFile
 from .tensors import TensorMeta
 

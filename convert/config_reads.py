@@ -120,7 +120,7 @@ def transformers_version() -> str:
 @functools.lru_cache(maxsize=64)
 def read_set(model_type: str) -> ReadSet | None:
     """The read set of ``model_type`` for the installed transformers (None: transformers has no causal LM for it)."""
-    from .io import cache_dir
+    from .cache import cache_dir
 
     version = transformers_version()
     path = cache_dir() / "config-reads" / f"{version}-d{DERIVATION_VERSION}" / f"{model_type}.json"

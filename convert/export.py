@@ -37,8 +37,8 @@ def cached_export(base: Path, target: str, **fields) -> Path:
     options and the base's content (config and tokenizer files, the weight files' size and mtime)."""
     import hashlib
 
+    from .cache import cache_dir
     from .checkpoint import Checkpoint
-    from .io import cache_dir
 
     ck = Checkpoint(base)
     h = hashlib.sha256(f"{target}:{sorted(fields.items())}".encode())

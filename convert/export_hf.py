@@ -8,13 +8,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from .atomic import atomic_dir
 from .checkpoint import SIDE_FILES
 from .inputs import Progress, open_inputs
-from .io import atomic_dir, write_tensors
 from .load_check import check_hf_dir
 from .manifest import input_entries, write_manifest
 from .merge import MergePlan, merge_one, plan_merge
 from .options import DEFAULT_SHARD_BYTES, ExportOptions, ExportResult, MergeOptions
+from .shards import write_tensors
 
 TOKENIZER_FILES = tuple(f for f in SIDE_FILES if f != "generation_config.json")
 

@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 from .adapter import PEFT_PREFIX, Adapter
 from .arch import arch_for
+from .atomic import atomic_dir
 from .checkpoint import Checkpoint
 from .errors import UserError
 from .export_hf import write_merged
 from .inputs import Progress, open_inputs
-from .io import atomic_dir
 from .load_check import check_adapter_dirs, check_hf_dir
 from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge

@@ -32,8 +32,8 @@ def load_weighted(adapters: list[AdapterSpec], allow_pickle: bool = False) -> li
 def open_inputs(opts: MergeOptions, target: str) -> tuple[Checkpoint, list[WeightedAdapter]]:
     """What every writer starts with: the output path free (or --force), the base opened and fit for
     ``target``, the adapters loaded."""
+    from .atomic import check_output_path
     from .checkpoint import Checkpoint
-    from .io import check_output_path
     from .merge import WeightedAdapter
 
     check_output_path(opts.out, opts.force)

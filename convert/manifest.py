@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import Checkpoint, checkpoint_sha256
-from .io import sha256_file
+from .hashing import sha256_file
 
 MANIFEST = "manifest.json"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .io import OrderedHasher, hash_cache, sha256_file
+from .hashing import OrderedHasher, hash_cache, sha256_file
 from .tensors import ST_DTYPES, TensorMeta
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit

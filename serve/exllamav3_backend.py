@@ -20,11 +20,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tuneport.convert.cache import cache_dir
 from tuneport.convert.checkpoint import resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.exl3.converter import requirements
 from tuneport.convert.exl3.tabby import LAUNCH, round_cache, tabby_config, write_tabby_config
-from tuneport.convert.io import cache_dir
 from tuneport.convert.options import model_name
 
 from .engines.base import Event, GenerationRequest

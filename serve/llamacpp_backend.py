@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tuneport.convert.adapter import load_adapter
 from tuneport.convert.arch import arch_for
+from tuneport.convert.cache import cache_dir, write_once
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import cached_export
@@ -20,8 +21,8 @@ from tuneport.convert.gguf.gpu import llamacpp_compute, n_gpu_layers
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
+from tuneport.convert.hashing import config_digest, content_digest
 from tuneport.convert.inputs import adapter_for
-from tuneport.convert.io import cache_dir, config_digest, content_digest, write_once
 from tuneport.convert.options import model_name
 from tuneport.convert.targets import check_base
 

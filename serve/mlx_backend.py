@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tuneport.convert.adapter import load_adapter
+from tuneport.convert.cache import cache_dir, write_once
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import cached_export
+from tuneport.convert.hashing import config_digest, content_digest
 from tuneport.convert.inputs import adapter_for
-from tuneport.convert.io import cache_dir, config_digest, content_digest, write_once
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.mlx import ADAPTER_WEIGHTS, DEFAULT_SCALE
 from tuneport.convert.mlx.read import is_mlx_adapter, mlx_adapter_modules, mlx_model_info, read_mlx_adapter

@@ -18,10 +18,11 @@ import httpx
 from tuneport.convert.adapter import load_adapter, resolve_adapter_path
 from tuneport.convert.arch import arch_for
 from tuneport.convert.awq.adapters import mark_rescaled, read_scales, rescale_adapter, rescaled_for, scales_digest
+from tuneport.convert.cache import cache_dir, write_once
 from tuneport.convert.checkpoint import Checkpoint, resolve_model_path
 from tuneport.convert.errors import UserError
 from tuneport.convert.export_vllm import VLLM_DTYPES, vllm_renamer, write_vllm_adapter
-from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.hashing import content_digest
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.options import model_name
 from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from tuneport.convert.arch import ArchSpec
+from tuneport.convert.cache import cache_dir, write_once
 from tuneport.convert.checkpoint import Checkpoint
-from tuneport.convert.io import cache_dir, write_once
 
 GUARD_ADAPTER = "tuneport-base"
 

@@ -66,7 +66,7 @@ def test_the_trace_sees_the_shared_code_and_the_scan_sees_untaken_branches():
 
 def test_the_read_set_is_cached_per_transformers_version(monkeypatch):
     from tuneport.convert import config_reads
-    from tuneport.convert.io import cache_dir
+    from tuneport.convert.cache import cache_dir
 
     read_set.cache_clear()
     read_set("olmo2")

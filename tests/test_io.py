@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tuneport.convert.atomic import atomic_dir
 from tuneport.convert.errors import UserError
-from tuneport.convert.io import ShardedSafetensorsWriter, atomic_dir, plan_shards
 from tuneport.convert.safetensors_file import SafetensorsFile
+from tuneport.convert.shards import ShardedSafetensorsWriter, plan_shards
 from tuneport.convert.tensors import TensorMeta
 
 
@@ -98,7 +99,7 @@ def test_reader_rejects_overlapping_offsets(tmp_path):
 
 def test_stale_temporaries_of_a_sibling_output_are_not_ours(tmp_path):
     """Cleaning up after "run" must not touch the temporary of "run-5" (whose name starts the same)."""
-    from tuneport.convert.io import remove_stale_temporaries
+    from tuneport.convert.atomic import remove_stale_temporaries
 
     theirs = tmp_path / ".tuneport-tmp-run-5-99999999-abcdef12"
     ours = tmp_path / ".tuneport-tmp-run-99999999-abcdef12"
@@ -110,19 +111,19 @@ def test_stale_temporaries_of_a_sibling_output_are_not_ours(tmp_path):
 
 def test_hash_cache_is_read_once_per_process(zoo, tmp_path, monkeypatch):
     """Opening a sharded checkpoint and hashing it reads sha256.json once, not once per shard."""
-    from tuneport.convert import io
+    from tuneport.convert import hashing
     from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256
 
     monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
     reads = []
-    real = io.HashCache._entries
+    real = hashing.HashCache._entries
 
     def counting(self):
         if self._data is None:
             reads.append(self.path)
         return real(self)
 
-    monkeypatch.setattr(io.HashCache, "_entries", counting)
+    monkeypatch.setattr(hashing.HashCache, "_entries", counting)
     base = zoo.base("llama")
     assert len(list(base.glob("*.safetensors"))) > 2
     first = checkpoint_sha256(Checkpoint(base))  # computes and records every shard

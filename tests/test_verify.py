@@ -152,7 +152,7 @@ def test_non_legacy_sentencepiece_differs_in_llamacpp(tmp_path):
 
 
 def test_cli_json_exit_codes_and_reference_cache(qwen, cli, tmp_path):
-    from tuneport.convert.io import cache_dir
+    from tuneport.convert.cache import cache_dir
 
     base, adapter, out, lora = qwen
     model = out / f"{base.name}-Q8_0.gguf"

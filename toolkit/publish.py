@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
-from tuneport.convert.io import sha256_file
+from tuneport.convert.hashing import sha256_file
 
 from .recipe import PublishSpec
 

@@ -23,7 +23,7 @@ from tuneport.convert.errors import FidelityError, UserError
 from tuneport.convert.exl3.converter import requirements as exl3_requirements
 from tuneport.convert.export import export, merge
 from tuneport.convert.gguf.gpu import n_gpu_layers
-from tuneport.convert.io import content_digest, sha256_file
+from tuneport.convert.hashing import content_digest, sha256_file
 from tuneport.convert.options import coerce_options
 from tuneport.convert.targets import check_base
 

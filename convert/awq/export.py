@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..arch import arch_for
+from ..atomic import atomic_dir
 from ..calibration.blocks import NOT_WEIGHTS, BlockPass
 from ..calibration.hooks import hooked_modules
 from ..calibration.layouts import FUSED_SETS, awq_arch_for, dense_layers_refusal
@@ -25,12 +26,12 @@ from ..experts import expert_tensor
 from ..export_hf import copy_side_files
 from ..export_vllm import LAUNCH_SH, check_for_vllm, launch_args, write_launch, write_vllm_adapter
 from ..inputs import Progress, open_inputs
-from ..io import ShardedSafetensorsWriter, atomic_dir
 from ..load_check import check_adapter_dirs, check_hf_dir
 from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, MergePlan, WeightedAdapter, merge_one, plan_merge
 from ..multimodal import vllm_name
 from ..options import ExportOptions, ExportResult, model_name
+from ..shards import ShardedSafetensorsWriter
 from ..tensors import TensorMeta
 from ..vllm_rules import float16_refusal, round_lora_rank
 from .adapters import SCALES_FILE, mark_rescaled, rescale_adapter, scales_digest, write_scales

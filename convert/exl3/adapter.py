@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from ..adapter import PEFT_PREFIX, Adapter, load_adapter
+from ..cache import cache_dir, write_once
 from ..errors import UserError
-from ..io import cache_dir, config_digest, content_digest, write_once
+from ..hashing import config_digest, content_digest
 from .read import FUSED_PARTS, Exl3Model
 
 WEIGHTS = "adapter_model.safetensors"

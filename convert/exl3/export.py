@@ -15,10 +15,11 @@ import shutil
 from pathlib import Path
 
 from ..arch import arch_for
+from ..atomic import atomic_dir, check_output_path
 from ..checkpoint import Checkpoint
 from ..errors import FidelityError, UserError
+from ..hashing import content_digest
 from ..inputs import Progress, open_inputs
-from ..io import atomic_dir, check_output_path, content_digest
 from ..manifest import input_entries, write_manifest
 from ..options import ExportOptions, ExportResult
 from .converter import (

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from ..arch import ArchSpec, arch_for
+from ..atomic import atomic_dir
 from ..errors import UserError
 from ..export_hf import copy_side_files
 from ..inputs import Progress, open_inputs
-from ..io import atomic_dir
 from ..manifest import input_entries, write_manifest
 from ..merge import MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult, model_name

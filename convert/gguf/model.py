@@ -278,7 +278,7 @@ class _HashingFile:
     """A write-only file that feeds every byte to a sha256 as it goes to disk."""
 
     def __init__(self, f) -> None:
-        from ..io import OrderedHasher
+        from ..hashing import OrderedHasher
 
         self._f = f
         self.hasher = OrderedHasher()

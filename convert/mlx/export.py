@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_dir
 from ..errors import UserError
 from ..experts import expert_groups
 from ..export_hf import copy_side_files
 from ..inputs import Progress, open_inputs
-from ..io import atomic_dir, write_tensors
 from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, OUT_DTYPES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult
+from ..shards import write_tensors
 from ..tensors import TensorMeta
 from .adapters import MlxAdapter, mlx_adapter, write_mlx_adapter
 from .archs import MlxArch, mlx_arch_for, mlx_config

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from unittest import mock
 
+from tuneport.convert.cache import write_once
 from tuneport.convert.gguf.read import gguf_field, open_gguf
 from tuneport.convert.gguf.vocab import hf_pre_tokenizer
-from tuneport.convert.io import write_once
 
 log = logging.getLogger(__name__)
 

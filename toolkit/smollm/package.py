@@ -13,8 +13,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tuneport.convert.cache import cache_dir, write_once
 from tuneport.convert.errors import UserError
-from tuneport.convert.io import cache_dir, sha256_file, write_once
+from tuneport.convert.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 

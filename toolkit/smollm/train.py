@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tuneport.convert.cache import write_once
 from tuneport.convert.errors import UserError
-from tuneport.convert.io import write_once
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tuneport.convert.cache import write_once
 from tuneport.convert.calibration.text import CALIB_MODULES, HELDOUT_MODULES, stdlib_text
-from tuneport.convert.io import write_once
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from tuneport.convert.adapter import resolve_adapter_path
+from tuneport.convert.cache import cache_dir, write_once
 from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_model_path
 from tuneport.convert.errors import UserError
-from tuneport.convert.io import cache_dir, content_digest, write_once
+from tuneport.convert.hashing import content_digest
 
 from ..fidelity import load_hf, load_peft
 
