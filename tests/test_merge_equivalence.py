@@ -9,7 +9,7 @@ import torch
 
 import tuneport
 from tuneport.convert.arch import known_arch
-from tuneport.convert.support import supported
+from tuneport.convert.support_matrix import supported
 from tuneport.toolkit.fidelity import adapter_vocab, load_hf, load_peft, logits
 from tuneport.toolkit.tiny import TINY_ARCHS, VARIANTS
 from tuneport.toolkit.tiny.adapters import MOE_VARIANTS

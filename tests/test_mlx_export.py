@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tuneport.convert.arch import known_arch
-from tuneport.convert.support import supported
+from tuneport.convert.support_matrix import supported
 from tuneport.toolkit.fidelity import compare_logits, load_hf, load_peft
 from tuneport.toolkit.tiny import VARIANTS
 from tuneport.toolkit.tiny.adapters import make_adapter

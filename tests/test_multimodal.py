@@ -92,7 +92,7 @@ def test_awq_with_separate_adapters_on_the_whole_model(zoo, tmp_path, cli, visio
     import tuneport
     import tuneport.toolkit.verify.dequant_runner as dq
     from tuneport.convert.adapter import load_adapter
-    from tuneport.convert.cpu import w4a16_cpu_problem
+    from tuneport.convert.cpu_features import w4a16_cpu_problem
 
     base, adapter = zoo.base("gemma3"), zoo.adapter("gemma3", "all_linear")
     refused = tmp_path / "refused"
@@ -278,7 +278,7 @@ def test_awq_keeps_the_vision_tower_and_vllm_runs_it_with_images(zoo, tmp_path, 
     from vllm_runner_client import run_vllm_jobs
 
     from tuneport.convert.checkpoint import Checkpoint
-    from tuneport.convert.cpu import w4a16_cpu_problem
+    from tuneport.convert.cpu_features import w4a16_cpu_problem
     from tuneport.toolkit.verify.dequant_runner import dequantized_state, memory_names
 
     base, out = zoo.base("gemma3"), tmp_path / "awq"
@@ -336,7 +336,7 @@ def test_an_adapter_over_the_awq_whole_model_is_rewritten_for_its_scales(zoo, tm
     import tuneport.toolkit.verify.dequant_runner as dq
     from tuneport.convert.adapter import load_adapter
     from tuneport.convert.awq.adapters import read_scales, rescale_adapter
-    from tuneport.convert.cpu import w4a16_cpu_problem
+    from tuneport.convert.cpu_features import w4a16_cpu_problem
 
     base, adapter = zoo.base("gemma3"), zoo.adapter("gemma3", "all_linear")
     out = tuneport.export(base=base, target="awq", out=tmp_path / "awq", group_size=32, calib_samples=8,

@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from tuneport.serve.choices import ChoiceBuilder, chat_logprobs, completion_logprobs
 from tuneport.serve.engines.base import Step, token_logprobs
 from tuneport.serve.engines.utf8 import Utf8Table
 from tuneport.serve.errors import ApiError
+from tuneport.serve.openai_choices import ChoiceBuilder, chat_logprobs, completion_logprobs
 from tuneport.serve.structured import grammar_for, schema_grammar
 from tuneport.serve.tool_calls import SYNTAXES, call_grammar, forced_names, parse_calls, syntax_of, template_messages
 from tuneport.toolkit.tiny.tokenizers import CHATML_TEMPLATE, TOOLS_TEMPLATE

@@ -224,7 +224,7 @@ def test_flipping_a_key_of_a_real_config_changes_the_verdict_as_it_should(name, 
 
 def _vllm_cases() -> list[str]:
     """One real config per model_type vLLM serves (the first in file order), and Phi-4-mini's LongRoPE."""
-    from tuneport.convert.support import supported
+    from tuneport.convert.support_matrix import supported
 
     chosen: dict[str, str] = {}
     for name, path in CONFIGS.items():

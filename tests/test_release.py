@@ -205,7 +205,7 @@ def test_push_is_one_commit_with_every_file_and_a_tag(released, monkeypatch):
     assert done["files"] == upload_plan(root / "out", spec)["files"] and done["commit"].endswith("c0ffee")
 
 
-@pytest.mark.skipif(__import__("tuneport.convert.cpu", fromlist=["x"]).w4a16_cpu_problem() is not None,
+@pytest.mark.skipif(__import__("tuneport.convert.cpu_features", fromlist=["x"]).w4a16_cpu_problem() is not None,
                     reason="vLLM's CPU W4A16 kernel needs AVX-512")
 def test_awq_target_is_released_verified_in_vllm_and_gated(inputs, tmp_path):
     from tuneport.toolkit.release import release
@@ -288,7 +288,7 @@ def test_every_new_architecture_is_released_and_verified(zoo, tmp_path, arch):
     """A release per architecture: the adapter as a GGUF LoRA in llama.cpp (F16 and Q8_0 bases) and as an mlx-lm
     adapter where MLX exports the architecture, each verified in its engine against base + the PEFT adapter and
     gated; F16 and the mlx-lm adapter within 1e-3 KL, Q8_0 within the default gate."""
-    from tuneport.convert.support import supported
+    from tuneport.convert.support_matrix import supported
     from tuneport.toolkit.release import release
     from tuneport.toolkit.tiny import make_adapter, make_base
 

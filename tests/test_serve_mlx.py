@@ -61,7 +61,7 @@ def ask(c: httpx.Client, model: str, prompt: list[int], n: int = N, **kw) -> tup
 @pytest.fixture(scope="module")
 def mlx_base(zoo) -> Path:
     """The MLX LM directory the engine serves for zoo.base("llama") (converted once, cached)."""
-    from tuneport.serve.mlx_backend import cached_mlx
+    from tuneport.serve.backends.mlx import cached_mlx
 
     return cached_mlx(zoo.base("llama"), "auto")
 
@@ -226,7 +226,7 @@ def test_mlx_lm_embedding_lora_over_tied_embeddings_adapts_the_output_too(zoo, t
     import numpy as np
     from safetensors.numpy import save_file
 
-    from tuneport.serve.mlx_backend import cached_mlx
+    from tuneport.serve.backends.mlx import cached_mlx
 
     rng = np.random.default_rng(0)
     tensors = {"model.embed_tokens.lora_a": rng.normal(0, 0.3, (512, 4)), "model.embed_tokens.lora_b":

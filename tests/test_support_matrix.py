@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tuneport.convert.arch import ARCHS
-from tuneport.convert.support import COLUMNS, supported
+from tuneport.convert.support_matrix import COLUMNS, supported
 from tuneport.toolkit.arch_docs import DOC, render
 from tuneport.toolkit.tiny import TINY_ARCHS
 
@@ -41,7 +41,7 @@ def test_every_column_is_tested_on_every_architecture_it_claims(target):
 
 
 def test_every_architecture_has_a_tiny_model():
-    from tuneport.convert.support import NOT_YET
+    from tuneport.convert.support_matrix import NOT_YET
 
     assert set(ARCHS) <= set(TINY_ARCHS), set(ARCHS) - set(TINY_ARCHS)
     assert not set(NOT_YET) & set(ARCHS), "an architecture with an entry is still listed as not supported yet"
@@ -56,7 +56,7 @@ def test_every_refused_cell_is_refused_by_the_export_with_its_reason(zoo, target
     """A cell's reason is what `export --target` says (the base check, before any work)."""
     from tuneport.convert.checkpoint import Checkpoint
     from tuneport.convert.errors import UserError
-    from tuneport.convert.support import cell
+    from tuneport.convert.support_matrix import cell
     from tuneport.convert.targets import check_base
 
     for model_type in ARCHS:

@@ -212,7 +212,7 @@ def _numeric_failures(report) -> dict:
 
 
 def _table(target: str) -> list[str]:
-    from tuneport.convert.support import supported
+    from tuneport.convert.support_matrix import supported
     from tuneport.toolkit.tiny import TINY_ARCHS
 
     return [a for a in supported(target) if a in TINY_ARCHS and not TINY_ARCHS[a].text_config_class]

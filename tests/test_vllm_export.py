@@ -12,7 +12,7 @@ import pytest
 from conftest import ARCHS
 
 from tuneport.convert.arch import ARCHS as ARCH_TABLE
-from tuneport.convert.support import supported
+from tuneport.convert.support_matrix import supported
 from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
 from tuneport.toolkit.tiny import PROMPTS, VARIANTS
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tuneport.convert.arch import ARCHS
 from tuneport.convert.gguf.config_keys import GGUF_CONFIG_RULES
-from tuneport.convert.support import COLUMNS, NOT_YET, NOT_YET_REASON, matrix
+from tuneport.convert.support_matrix import COLUMNS, NOT_YET, NOT_YET_REASON, matrix
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 HEADER = """# Architectures

@@ -234,7 +234,7 @@ def serve(
 
     Flags after `--` go to vLLM as they are (e.g. `-- --gpu-memory-utilization 0.85`)."""
     from tuneport.serve.options import ServeOptions
-    from tuneport.serve.run import plan, serve_forever
+    from tuneport.serve.server import plan, serve_forever
 
     opts = ServeOptions(
         base=base, adapters=adapter or [], adapter_dir=adapter_dir, engine=EngineChoice(engine).value,

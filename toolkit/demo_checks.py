@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tuneport.convert.gguf.gpu import n_gpu_layers
-from tuneport.serve.run import serve
+from tuneport.serve.server import serve
 
 from .fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
 

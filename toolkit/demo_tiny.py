@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tuneport.convert.export import export, merge
 from tuneport.convert.export_vllm import LAUNCH_SH
-from tuneport.serve.run import serve
+from tuneport.serve.server import serve
 
 from .inspect import format_report, inspect_path
 from .progress import stdout

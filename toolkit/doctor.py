@@ -132,7 +132,7 @@ def doctor_report() -> dict:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         pass
-    from tuneport.convert.cpu import w4a16_cpu_problem
+    from tuneport.convert.cpu_features import w4a16_cpu_problem
 
     w4a16 = w4a16_cpu_problem()
     return {

@@ -27,8 +27,8 @@ from .convert.errors import FidelityError, UserError
 from .convert.export import export, merge
 from .convert.options import AdapterSpec, ExportOptions, ExportResult, MergeOptions
 from .serve.options import ServeOptions
-from .serve.run import Server, serve
-from .serve.run import plan as serve_plan
+from .serve.server import Server, serve
+from .serve.server import plan as serve_plan
 
 if TYPE_CHECKING:
     from .toolkit.doctor import doctor_report as doctor

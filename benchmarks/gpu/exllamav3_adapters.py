@@ -123,7 +123,7 @@ def main() -> None:
     import torch
 
     from tuneport.convert.export import export
-    from tuneport.serve.exllamav3_backend import ExllamaV3Backend
+    from tuneport.serve.backends.exllamav3 import ExllamaV3Backend
     from tuneport.serve.options import ServeOptions
     from tuneport.toolkit.fidelity import load_hf, load_peft
     from tuneport.toolkit.tiny import make_base

@@ -20,7 +20,7 @@ from ..calibration.hooks import hooked_modules
 from ..calibration.layouts import FUSED_SETS, awq_arch_for, dense_layers_refusal
 from ..calibration.text import load_calibration
 from ..checkpoint import Checkpoint
-from ..cpu import w4a16_cpu_problem
+from ..cpu_features import w4a16_cpu_problem
 from ..errors import UserError
 from ..experts import expert_tensor
 from ..export_hf import copy_side_files

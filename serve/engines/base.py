@@ -3,7 +3,7 @@
 An in-process engine turns a :class:`GenerationRequest` (prompt token ids, adapters, sampling, ``n`` choices,
 log-probabilities, a grammar) into events one at a time — a :class:`Step` per generated token, the prompt's
 :class:`PromptScores` when asked, a :class:`Done` per choice; text, stop strings and the OpenAI answer are
-built over them by :class:`tuneport.serve.inprocess.InProcessBackend`.
+built over them by :class:`tuneport.serve.backends.inprocess.InProcessBackend`.
 """
 
 from __future__ import annotations

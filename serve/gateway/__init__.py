@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway (FastAPI) over one :class:`~tuneport.serve.contract.Backend`.
+"""The OpenAI-compatible gateway (FastAPI) over one :class:`~tuneport.serve.backend.Backend`.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (OpenAI); ``/v1/adapters`` (admin);
 ``/health``, ``/metrics`` (operations). With an API key every route needs ``Authorization: Bearer <key>``;

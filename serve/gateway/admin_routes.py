@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from ..contract import Backend
+from ..backend import Backend
 from ..errors import ApiError
 
 

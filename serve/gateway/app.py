@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 
 from tuneport.convert.errors import UserError
 
-from ..contract import Backend
+from ..backend import Backend
 from ..errors import ApiError
 from ..http import error_response
 from .admin_routes import admin_router

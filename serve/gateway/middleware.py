@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..contract import Usage
+from ..backend import Usage
 from ..http import error_response
 from ..metrics import Metrics
 

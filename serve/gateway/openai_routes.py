@@ -8,7 +8,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..contract import Backend, Kind
+from ..backend import Backend, Kind
 from ..errors import ApiError
 from ..openai_fields import check_fields
 from .middleware import AccessRecord

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
-from ..contract import Backend
+from ..backend import Backend
 from ..http import error_response
 
 

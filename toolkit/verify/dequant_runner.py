@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from tuneport.convert.arch import known_arch
 from tuneport.convert.awq.formats import FORMATS, quant_info, scheme_of
-from tuneport.convert.cpu import w4a16_cpu_problem
+from tuneport.convert.cpu_features import w4a16_cpu_problem
 from tuneport.convert.errors import UserError
 from tuneport.convert.fused_experts import fuse_to_memory
 

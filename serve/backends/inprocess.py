@@ -4,7 +4,7 @@ An :class:`InProcessBackend` turns a request body into engine requests — each 
 token ids, or a list of them), or chat messages through the model's chat template (with ``tools`` where the
 template renders them) — runs them on its engine with ``n`` choices each, log-probabilities, an echoed and
 scored prompt, a grammar for ``response_format`` or a forced tool call, and builds the answer with
-:mod:`tuneport.serve.choices`: whole, or streamed as server-sent events. A subclass says how its engine
+:mod:`tuneport.serve.openai_choices`: whole, or streamed as server-sent events. A subclass says how its engine
 tokenizes, renders chat, spells a token and runs a request.
 """
 
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from .choices import ChoiceBuilder, Delta, Scored, chat_logprobs, completion_logprobs
-from .contract import Backend, Kind, Usage
-from .engines.base import Event, GenerationRequest, PromptScores, Step
-from .errors import ApiError
-from .http import SSE_DONE, sse
-from .openai_request import ChatRequest, CompletionRequest, parse_request
-from .structured import grammar_for
-from .tool_calls import ToolSyntax, call_grammar, check_tools, forced_names, syntax_of, template_messages
+from ..backend import Backend, Kind, Usage
+from ..engines.base import Event, GenerationRequest, PromptScores, Step
+from ..errors import ApiError
+from ..http import SSE_DONE, sse
+from ..openai_choices import ChoiceBuilder, Delta, Scored, chat_logprobs, completion_logprobs
+from ..openai_request import ChatRequest, CompletionRequest, parse_request
+from ..structured import grammar_for
+from ..tool_calls import ToolSyntax, call_grammar, check_tools, forced_names, syntax_of, template_messages
 
 
 @dataclass

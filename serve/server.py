@@ -19,7 +19,7 @@ from .options import ServeOptions, option_flag
 from .registry import check_engine_options, check_serves, engine_spec
 
 if TYPE_CHECKING:  # `import tuneport` imports this module: engines and the web stack load when used
-    from .contract import Backend
+    from .backend import Backend
     from .policy import EngineDecision
 
 GRACEFUL_SHUTDOWN_S = 30
@@ -230,7 +230,7 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
     from tuneport.convert.adapter import resolve_adapter_path
 
     from . import policy
-    from .vllm_backend import VllmPlan
+    from .backends.vllm import VllmPlan
     from .vllm_bugs import GUARD_ADAPTER
 
     opts = coerce_options(ServeOptions, options, fields)
@@ -326,7 +326,7 @@ def _tabby_command(opts: ServeOptions, model: Path) -> dict:
 
     from tuneport.convert.exl3.tabby import tabby_config
 
-    from .exllamav3_backend import engine_port, tabby_launch
+    from .backends.exllamav3 import engine_port, tabby_launch
 
     config = tabby_config(model, opts.n_ctx, cache_size=opts.n_ctx * opts.concurrency, port=engine_port(opts))
     tabby = opts.tabby_dir or Path("TABBY_DIR")

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import httpx
 
-from .contract import Backend, Kind, Usage
-from .errors import ApiError
-from .http import error_message
+from ..backend import Backend, Kind, Usage
+from ..errors import ApiError
+from ..http import error_message
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -27,10 +27,10 @@ from tuneport.convert.exl3.converter import requirements
 from tuneport.convert.exl3.tabby import LAUNCH, round_cache, tabby_config, write_tabby_config
 from tuneport.convert.options import model_name
 
-from .engines.base import Event, GenerationRequest
-from .engines.child import ChildServer, free_port
+from ..engines.base import Event, GenerationRequest
+from ..engines.child import ChildServer, free_port
+from ..pool import PoolError
 from .inprocess import InProcessBackend
-from .pool import PoolError
 from .upstream import UpstreamBackend
 
 log = logging.getLogger(__name__)
@@ -142,8 +142,8 @@ class ExllamaV3Backend(InProcessBackend):
                  n_ctx: int = 2048, cache_tokens: int = 16384) -> None:
         from tuneport.convert.exl3.read import Exl3Model
 
-        from .engines.exllamav3 import Exl3Engine
-        from .engines.hf_text import HfText
+        from ..engines.exllamav3 import Exl3Engine
+        from ..engines.hf_text import HfText
 
         check_runtime()
         self.model_dir = resolve_model_path(base)

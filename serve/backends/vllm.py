@@ -27,12 +27,12 @@ from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.options import model_name
 from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
 
-from .engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
-from .pool import PoolError, check_name, resolve_inside
-from .tool_calls import syntax_in, template_of
+from ..engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
+from ..pool import PoolError, check_name, resolve_inside
+from ..tool_calls import syntax_in, template_of
+from ..vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
+from ..vllm_preflight import check_vllm_cpu
 from .upstream import UpstreamBackend
-from .vllm_bugs import GUARD_ADAPTER, bugs_that_apply, vllm_platform, zero_adapter
-from .vllm_preflight import check_vllm_cpu
 
 log = logging.getLogger(__name__)
 DEFAULT_LORA_RANK = 16  # vLLM's own default --max-lora-rank
@@ -45,7 +45,7 @@ def check_4bit_runs_here(ckpt: Checkpoint, dtype: str) -> None:
     """A 4-bit (W4A16) base on vLLM's CPU build: 16-bit activations only, and AVX-512 (else vLLM loads the
     model and dies at the first forward pass). Refused before vLLM starts."""
     from tuneport.convert.awq.formats import quant_info
-    from tuneport.convert.cpu import require_w4a16_cpu
+    from tuneport.convert.cpu_features import require_w4a16_cpu
 
     if not quant_info(ckpt.quantization or {}) or vllm_platform() != "cpu":
         return

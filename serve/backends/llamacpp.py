@@ -1,5 +1,5 @@
 """The llama.cpp backend: tokens generated in this process by :class:`LlamaCppEngine`, answers built by
-:class:`~tuneport.serve.inprocess.InProcessBackend`.
+:class:`~tuneport.serve.backends.inprocess.InProcessBackend`.
 
 ``--base`` may be a GGUF file or an HF directory (converted once to GGUF and cached); adapters may be GGUF
 LoRA files or PEFT directories (converted on load for an HF base, cached by content hash).
@@ -26,11 +26,11 @@ from tuneport.convert.inputs import adapter_for
 from tuneport.convert.options import model_name
 from tuneport.convert.targets import check_base
 
-from .engines.base import Event, GenerationRequest
-from .engines.llamacpp import LlamaCppEngine
-from .errors import ApiError
+from ..engines.base import Event, GenerationRequest
+from ..engines.llamacpp import LlamaCppEngine
+from ..errors import ApiError
+from ..pool import PoolError
 from .inprocess import InProcessBackend
-from .pool import PoolError
 
 
 class LlamaCppBackend(InProcessBackend):

@@ -1,5 +1,5 @@
 """The MLX backend: tokens generated in this process by :class:`MlxEngine` (mlx-lm's model, our multi-adapter
-layers and batching), answers built by :class:`~tuneport.serve.inprocess.InProcessBackend`.
+layers and batching), answers built by :class:`~tuneport.serve.backends.inprocess.InProcessBackend`.
 
 ``--base`` may be an MLX LM directory (served as it is) or an HF directory / hub id (converted once with
 ``export --target mlx`` and cached by content; ``--dtype`` is the dtype of that conversion). Adapters may be
@@ -26,11 +26,11 @@ from tuneport.convert.mlx.read import is_mlx_adapter, mlx_adapter_modules, mlx_m
 from tuneport.convert.options import model_name
 from tuneport.convert.targets import check_base
 
-from .engines.base import Event, GenerationRequest
-from .engines.hf_text import HfText
-from .engines.mlx import MlxEngine
+from ..engines.base import Event, GenerationRequest
+from ..engines.hf_text import HfText
+from ..engines.mlx import MlxEngine
+from ..pool import PoolError
 from .inprocess import InProcessBackend
-from .pool import PoolError
 
 log = logging.getLogger("tuneport.serve.mlx")
 
@@ -143,7 +143,7 @@ class MlxBackend(InProcessBackend):
 
 def read_mlx_lora(path: Path) -> dict:
     """An mlx-lm adapter directory as {module path: ModuleLora} with its scale folded into ``b``."""
-    from .engines.mlx_lora import ModuleLora
+    from ..engines.mlx_lora import ModuleLora
 
     cfg = read_mlx_adapter(path)
     kind = cfg.get("fine_tune_type", "lora")
