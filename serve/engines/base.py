@@ -186,6 +186,24 @@ class TokenEngine(Protocol):
         """Stop and free everything."""
 
 
+class AdapterEngine:
+    """What the in-process engines with named adapters share: ``_loaded`` (name -> what the engine holds for
+    it), listed by ``adapters``; ``generate`` as the tokens of ``events``."""
+
+    _loaded: dict
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._loaded)
+
+    def generate(self, request: GenerationRequest) -> Iterator[int]:
+        """Tokens one at a time for ``request``; closing the iterator cancels it."""
+        return tokens_of(self.events(request))
+
+    def events(self, request: GenerationRequest) -> Iterator[Event]:
+        raise NotImplementedError
+
+
 def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Generator) -> int:
     """The next token from one row of logits: argmax at temperature 0, else temperature and top-p."""
     if request.temperature <= 0:

@@ -31,7 +31,7 @@ from pathlib import Path
 from tuneport.convert.errors import UserError
 from tuneport.convert.exl3.tabby import round_cache
 
-from .base import Done, Event, EventStream, GenerationRequest, Sequence, tokens_of
+from .base import AdapterEngine, Done, Event, EventStream, GenerationRequest, Sequence
 
 log = logging.getLogger("tuneport.serve.exllamav3")
 AdapterSet = tuple[tuple[str, float], ...]  # (name, scale) sorted by name; () is the base
@@ -134,7 +134,7 @@ class _Loaded:
     nbytes: int
 
 
-class Exl3Engine:
+class Exl3Engine(AdapterEngine):
     """The EXL3 model in ``model_dir`` served with adapters. ``n_ctx``: the most tokens (prompt + output) one
     request may use; ``cache_tokens``: the paged cache (shared by a batch); ``max_batch``: sequences together."""
 
@@ -332,14 +332,7 @@ class Exl3Engine:
             self._activate(())  # the pool never unloads an adapter in use: the generator is idle here
         loaded.lora.unload()
 
-    @property
-    def adapters(self) -> list[str]:
-        return list(self._loaded)
-
     # -- requests ------------------------------------------------------------------------------------
-    def generate(self, request: GenerationRequest) -> Iterator[int]:
-        return tokens_of(self.events(request))
-
     def events(self, request: GenerationRequest) -> Iterator[Event]:
         """The events of ``request``: one choice, log-probabilities of generated tokens when asked."""
         check_request(request, self.n_ctx)

@@ -25,7 +25,7 @@ import numpy as np
 from tuneport.convert.errors import UserError
 from tuneport.convert.mlx.archs import MLX_ARCHS
 
-from .base import Done, Event, EventStream, GenerationRequest, Sequence, sample, tokens_of
+from .base import AdapterEngine, Done, Event, EventStream, GenerationRequest, Sequence, sample
 
 log = logging.getLogger("tuneport.serve.mlx")
 # The mlx_lm.models modules of tuneport's MLX table: their Model.__call__ is ``self.model(inputs, cache)``
@@ -48,7 +48,7 @@ class _Loaded:
     nbytes: int
 
 
-class MlxEngine:
+class MlxEngine(AdapterEngine):
     """The base model in ``model_dir`` (an MLX LM directory) served with adapters. ``n_ctx``: the most tokens
     (prompt + output) one request may use; ``max_batch``: rows decoded together; ``prefill_step``: prompt
     tokens per forward while prefilling."""
@@ -288,15 +288,7 @@ class MlxEngine:
         remove(self.model, loaded.gid, loaded.paths)
         self.stack_bytes = stack_bytes(self.model)
 
-    @property
-    def adapters(self) -> list[str]:
-        return list(self._loaded)
-
     # -- requests ------------------------------------------------------------------------------------
-    def generate(self, request: GenerationRequest) -> Iterator[int]:
-        """Tokens one at a time for ``request`` (prompt already tokenized, at most one adapter at scale 1)."""
-        return tokens_of(self.events(request))
-
     def events(self, request: GenerationRequest) -> Iterator[Event]:
         """The events of ``request``: one choice, log-probabilities of generated tokens when asked."""
         if request.n != 1 or request.prompt_logprobs or request.grammar:
