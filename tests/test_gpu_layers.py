@@ -1,7 +1,7 @@
 """``--gpu-layers`` on a machine whose llama.cpp is a CPU build: the default resolves to 0, asking for GPU layers
 is refused with the reason (exit 2) by serve, verify, release and the demo's API, 0 runs and answers as before;
 the memory plan's VRAM for offloaded layers (doctor's backend line: tests/test_inspect_doctor.py). The GPU
-numbers come from ``benchmarks/gpu/llamacpp_cuda.py`` on a CUDA machine."""
+numbers come from ``benchmarks/gpu/device.sh run llamacpp`` on a CUDA machine."""
 
 from __future__ import annotations
 

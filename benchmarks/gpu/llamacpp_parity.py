@@ -1,7 +1,7 @@
 """tuneport's llama.cpp engine with its layers on the GPU against the same engine on the CPU (issue 30, check a).
 
 On one machine whose llama-cpp-python loads a GPU build of llama.cpp (``LLAMA_CPP_LIB_PATH``, see
-``benchmarks/gpu/llamacpp_cuda.sh``): a tiny llama (hidden 256, 2 layers) and 4 LoRAs, exported as F32 and F16 GGUF
+``benchmarks/gpu/device.sh``): a tiny llama (hidden 256, 2 layers) and 4 LoRAs, exported as F32 and F16 GGUF
 with GGUF LoRAs, then
 1. logits of 4 prompts, every layer on the GPU (``--gpu-layers all``) against every layer on the CPU (0), for
    the base and each adapter, F32 and F16: max |Δlogit| and KL; F32 also against transformers + PEFT (fp32);
@@ -80,7 +80,7 @@ def main() -> None:
     compute = llamacpp_compute()
     if not args.cpu_check and not compute.gpu_offload:
         sys.exit(f"the loaded llama.cpp has no GPU backend ({', '.join(compute.backends)}): set LLAMA_CPP_LIB_PATH "
-                 "to a GPU build (benchmarks/gpu/llamacpp_cuda.sh), or pass --cpu-check")
+                 "to a GPU build (benchmarks/gpu/device.sh build), or pass --cpu-check")
     gpu = 0 if args.cpu_check else -1
     zoo = TinyZoo(args.workdir / "zoo")
     base = zoo.base("llama", wide=True)

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Issue 30, GPU check (a): tuneport's llama.cpp engine with --gpu-layers all on an NVIDIA GPU, against the same
-# engine on the CPU (logits F32/F16, served greedy answers of base + 4 adapters under mixed traffic), and tok/s
-# side by side with llama-server built from the same llama.cpp (same GGUF, adapters and traffic).
+# Issue 30's GPU checks, one prepared script for a lent GPU machine (no package registry there: everything travels
+# in .gpu-carry/, git-ignored, under the device tool's 64 MiB carry limit; the image's Python, torch and
+# transformers are used as they are).
 #
-# The GPU machine has no package registry: everything travels in .gpu-carry/ (git-ignored, ~40 MB).
-#   here (CPU, network):  benchmarks/gpu/llamacpp_cuda.sh pack
-#   there (the device tool's run, with carry [".gpu-carry"]; the image's Python, torch and transformers are used):
-#     benchmarks/gpu/llamacpp_cuda.sh build   # llama.cpp with CUDA for this GPU's architecture only + llama-server
-#     benchmarks/gpu/llamacpp_cuda.sh run     # writes $OUT/llamacpp_parity.json, $OUT/serve_gpu.json, logs
-# `build` keeps its output in .gpu-build/ (an ignored path a warm machine keeps between calls); `all` does both.
-# Untested on a GPU so far (issue 30 is blocked on device time): run `run --cpu-check` here to test the scripts.
+# (a) llama.cpp: tuneport's engine with --gpu-layers all against the same engine on the CPU (logits F32/F16,
+#     served greedy answers of base + 4 adapters under mixed traffic), and tok/s beside llama-server built from the
+#     same llama.cpp (same GGUF, adapters and traffic):
+#       here:   benchmarks/gpu/device.sh pack llamacpp            (~50 MB: trimmed llama.cpp source + wheels)
+#       there:  benchmarks/gpu/device.sh build                    (llama.cpp with CUDA for this card + llama-server)
+#               benchmarks/gpu/device.sh run llamacpp             ($OUT/llamacpp_parity.json, $OUT/serve_gpu.json)
+# (b) ExLlamaV3: base + 2 adapters served by tuneport's in-process engine, KL per adapter against transformers +
+#     PEFT on the dequantized base, mixed traffic equal to each adapter alone (exllamav3's JIT build: ~4 min):
+#       here:   benchmarks/gpu/device.sh pack exllamav3           (exllamav3 1.6.5 and its wheels)
+#       there:  benchmarks/gpu/device.sh run exllamav3            ($OUT/exllamav3_adapters.json)
+# `build` keeps its output in .gpu-build/ (an ignored path a warm machine keeps between calls).
+# Not yet run on a GPU (issue 30 is blocked on device time): `run llamacpp --cpu-check` tests the scripts here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -24,10 +29,34 @@ PURE=(peft gguf accelerate huggingface_hub typer click rich markdown-it-py mdurl
       anyio sniffio idna certifi fastapi starlette uvicorn pydantic annotated-types typing-inspection typing-extensions
       jinja2 psutil)
 BINARY=(pydantic-core pyyaml markupsafe sentencepiece)
+EXL3_PURE=(exllamav3==1.6.5)
+EXL3_BINARY=(ninja marisa-trie "llguidance>=1.7.0")  # pillow: the image has it (torchvision)
+
+download_binary() {  # the binary wheels "$@" for the CPython versions the GPU image may have
+  for v in 3.10 3.11 3.12 3.13; do
+    "$PY" -m pip download -q --no-deps --only-binary :all: --python-version "$v" \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
+      -d "$CARRY/wheels" "$@" || true
+  done
+}
 
 pack() {
   rm -rf "$CARRY" && mkdir -p "$CARRY/wheels"
-  local tmp; tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' RETURN
+  "$PY" -m pip download -q --no-deps --only-binary :all: -d "$CARRY/wheels" "${PURE[@]}"
+  download_binary "${BINARY[@]}"
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$CARRY/wheels" "$ROOT"
+  case "${1:-}" in
+    llamacpp) pack_llamacpp ;;
+    exllamav3) "$PY" -m pip download -q --no-deps -d "$CARRY/wheels" "${EXL3_PURE[@]}"
+               download_binary "${EXL3_BINARY[@]}" ;;
+    *) echo "usage: $0 pack llamacpp|exllamav3" >&2; exit 2 ;;
+  esac
+  du -sh "$CARRY"
+}
+
+pack_llamacpp() {
+  local tmp; tmp="$(mktemp -d)"
   "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$tmp"
   tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
   # llama.cpp's source without what a CUDA build of libllama + llama-server never reads (models, docs, tests,
@@ -41,20 +70,16 @@ pack() {
   # llama-cpp-python's Python bindings (the CPU wheel the Makefile caches; its libraries are not used there:
   # LLAMA_CPP_LIB_PATH points at the CUDA build, same llama.cpp source, so the same ABI)
   cp "${TUNEPORT_WHEEL_CACHE:-$HOME/.cache/tuneport/wheels}"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl "$CARRY/wheels/"
-  "$PY" -m pip download -q --no-deps --only-binary :all: -d "$CARRY/wheels" "${PURE[@]}"
-  for v in 3.10 3.11 3.12 3.13; do
-    "$PY" -m pip download -q --no-deps --only-binary :all: --python-version "$v" \
-      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$CARRY/wheels" "${BINARY[@]}" || true
-  done
-  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$CARRY/wheels" "$ROOT"
-  du -sh "$CARRY"
+  rm -rf "$tmp"
 }
 
 install() {
   # only what is missing: the image's torch, transformers and CUDA stack stay as they are
-  "$PY" -m pip install -q --no-index --find-links "$CARRY/wheels" --no-deps "$CARRY"/wheels/llama_cpp_python-*.whl \
-    "$CARRY"/wheels/tuneport-*.whl
-  for pkg in "${PURE[@]}" "${BINARY[@]}"; do
+  "$PY" -m pip install -q --no-index --find-links "$CARRY/wheels" --no-deps "$CARRY"/wheels/tuneport-*.whl
+  for pkg in "$CARRY"/wheels/llama_cpp_python-*.whl "$CARRY"/wheels/exllamav3-*.whl; do
+    [ -f "$pkg" ] && "$PY" -m pip install -q --no-index --no-deps "$pkg"
+  done
+  for pkg in "${PURE[@]}" "${BINARY[@]}" "${EXL3_BINARY[@]}"; do
     "$PY" -m pip show -q "$pkg" >/dev/null 2>&1 || \
       "$PY" -m pip install -q --no-index --find-links "$CARRY/wheels" --no-deps "$pkg" || echo "could not install $pkg"
   done
@@ -78,6 +103,16 @@ build() {
 
 run() {
   mkdir -p "$OUT"
+  case "${1:-}" in
+    llamacpp) shift; run_llamacpp "$@" ;;
+    exllamav3) install
+               nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+               "$PY" benchmarks/gpu/exllamav3_adapters.py --out "$OUT" 2>&1 | tail -40 ;;
+    *) echo "usage: $0 run llamacpp [--cpu-check]|exllamav3" >&2; exit 2 ;;
+  esac
+}
+
+run_llamacpp() {
   local cpu_check=()
   if [ "${1:-}" = "--cpu-check" ]; then
     cpu_check=(--cpu-check)
@@ -96,9 +131,8 @@ run() {
 }
 
 case "${1:-}" in
-  pack) pack ;;
+  pack) shift; pack "$@" ;;
   build) build ;;
   run) shift; run "$@" ;;
-  all) build && run ;;
-  *) echo "usage: $0 pack|build|run [--cpu-check]|all" >&2; exit 2 ;;
+  *) echo "usage: $0 pack llamacpp|exllamav3 | build | run llamacpp [--cpu-check]|exllamav3" >&2; exit 2 ;;
 esac
