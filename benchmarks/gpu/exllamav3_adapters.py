@@ -12,7 +12,9 @@ rewrites), the base exported with ``tuneport export --target exl3``, then served
 2. mixed traffic: base + 2 adapters, 4 prompts each, all submitted at once, against each request served alone:
    greedy answers must be equal.
 
-Writes ``OUT/exllamav3_adapters.json`` and prints it. Exits 2 at once, with the reason, without CUDA or exllamav3.
+Writes ``OUT/exllamav3_adapters.json`` and prints it, whatever happens after the engine starts (a failure is recorded
+under ``error`` with its traceback, and the exit code is 1). Exits 2 at once, with the reason, without CUDA or
+exllamav3, or with an exllamav3 that has no run-time LoRA (``exllamav3.model.lora``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,46 +34,52 @@ PROMPTS = ([1, 50, 60, 70], [1, 200, 300, 411, 7], [1, 9, 8, 7, 6, 5], [1, 100, 
 GREEDY = 16
 
 
-def fail_fast() -> None:
+def fail_fast() -> str:
+    """exllamav3's version, once CUDA, exllamav3 and its run-time LoRA are found; else exit 2 with the reason."""
     from tuneport.convert.exl3.converter import requirements
 
     if missing := requirements().missing:
         print(f"exllamav3_adapters: needs {' and '.join(missing)} (this machine lacks them): run it on a CUDA "
               "host with exllamav3 installed", file=sys.stderr)
         sys.exit(2)
+    try:  # before the minutes of export: the import compiles exllamav3's extension
+        from exllamav3.model.lora import LoRA  # noqa: F401
+        from exllamav3.version import __version__
+    except ImportError as e:
+        print(f"exllamav3_adapters: exllamav3 or its run-time LoRA (exllamav3.model.lora) does not import: {e}",
+              file=sys.stderr)
+        sys.exit(2)
+    return __version__
 
 
-def dequantized(exl3: Path, out: Path) -> Path:
-    """The EXL3 model as an HF directory (fp32): every quantized linear decoded by tuneport, the rest as stored."""
+def dequantized(exl3: Path, out: Path, base: Path) -> Path:
+    """The EXL3 model as an HF directory (fp32): every quantized linear decoded by tuneport and cut to the base's
+    shape, the rest as the EXL3 directory stores it; what it stores only as a table tuneport does not decode
+    (exllamav3 1.6's quantized embeddings) is taken from ``base``, the model that was exported."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from tuneport.convert.checkpoint import Checkpoint
     from tuneport.convert.exl3.read import Exl3Model
 
-    model = Exl3Model(exl3)
+    model, src = Exl3Model(exl3), Checkpoint(base)
     cfg = json.loads((exl3 / "config.json").read_text())
     out.mkdir(parents=True)
     tensors = {}
-    for name in model.ckpt.names():
+    for name in src.names():
         key, _, part = name.rpartition(".")
         if key in model.linears:
-            if part == "trellis":
-                tensors[f"{key}.weight"] = model.weight(key)  # [out, in] padded: cut below
-            continue
-        if key not in model.other_tables:
+            w = model.weight(key) if part == "weight" else model.ckpt.read(name) if name in model.ckpt else None
+            if w is None:
+                raise RuntimeError(f"{exl3}: {name} of the base is not in the EXL3 directory")
+            tensors[name] = w[tuple(slice(0, n) for n in src.meta(name).shape)].float().contiguous()
+        elif name in model.ckpt:
             tensors[name] = model.ckpt.read(name).float()
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or hidden // cfg[
-        "num_attention_heads"]
-    rows = {"q_proj": (heads * hd, hidden), "k_proj": (kv * hd, hidden), "v_proj": (kv * hd, hidden),
-            "o_proj": (hidden, heads * hd), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter), "lm_head": (cfg["vocab_size"], hidden)}
-    for name, w in list(tensors.items()):
-        leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
-        if leaf in rows and w.dim() == 2:
-            o, i = rows[leaf]
-            tensors[name] = w[:o, :i].contiguous()
+        else:
+            tensors[name] = src.read(name).float()
+    if "lm_head" in model.linears and "lm_head.weight" in tensors:
+        cfg["tie_word_embeddings"] = False  # the decoded head, not the embedding, as exllamav3 runs it
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}))
@@ -102,6 +111,8 @@ def reference_kl(ref_model, prompt: list[int], tokens: list[int], dists: list[di
     ids = torch.tensor([prompt + tokens], device=ref_model.device)
     with torch.no_grad():
         lp = torch.log_softmax(ref_model(ids).logits[0, len(prompt) - 1: -1].double(), -1).cpu()
+    if not dists or len(dists) > lp.shape[0]:
+        raise RuntimeError(f"the engine returned {len(dists)} distributions for {len(tokens)} tokens")
     kls, top1 = [], 0
     for step, dist in enumerate(dists):
         q = torch.full((vocab,), float("-inf"), dtype=torch.float64)
@@ -113,13 +124,38 @@ def reference_kl(ref_model, prompt: list[int], tokens: list[int], dists: list[di
     return {"kl_mean": sum(kls) / len(kls), "kl_max": max(kls), "top1": top1 / len(dists), "steps": len(kls)}
 
 
+def kl_summary(rows: list[dict]) -> dict:
+    return {"kl_mean": sum(r["kl_mean"] for r in rows) / len(rows), "kl_max": max(r["kl_max"] for r in rows),
+            "top1": sum(r["top1"] for r in rows) / len(rows), "steps_min": min(r["steps"] for r in rows)}
+
+
+def adapter_kl(backend, reference, vocab: int, chosen: dict) -> dict:
+    """KL(reference || engine) over PROMPTS for the adapter set ``chosen``."""
+    return kl_summary([reference_kl(reference, p, *engine_run(backend, p, chosen, vocab), vocab) for p in PROMPTS])
+
+
+def fast_paths_left_on(backend, reference, vocab: int, name: str) -> dict:
+    """Ablation: adapter ``name`` served with exllamav3's fused paths left on (the engine's FastPaths.off() made
+    a no-op). A KL well above the engine's shows the switch is what makes the adapter apply at decode."""
+    fast = backend.exl.fast
+    engine_run(backend, PROMPTS[0], {}, None)  # a base turn: fused paths on again
+    fast.off = lambda: None  # instance attribute over the method, for the next switch only
+    try:
+        return adapter_kl(backend, reference, vocab, {name: 1.0})
+    finally:
+        del fast.off
+        engine_run(backend, PROMPTS[0], {}, None)  # a base turn again: the next adapter turn switches them off
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for exllamav3_adapters.json")
     ap.add_argument("--work", type=Path, default=None, help="working folder (default: OUT/work)")
     ap.add_argument("--bits", type=float, default=4.0)
     args = ap.parse_args()
-    fail_fast()
+    version = fail_fast()
+    import shutil
+
     import torch
 
     from tuneport.convert.export import export
@@ -130,29 +166,36 @@ def main() -> None:
     from tuneport.toolkit.tiny.adapters import make_adapter
 
     work = args.work or args.out / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a rerun starts over
+    work.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    base = make_base("llama", work / "base", dtype="bf16", dims=DIMS)
-    adapters = {n: make_adapter(base, v, work / f"adapter-{n}", seed=s) for n, (v, s) in ADAPTERS.items()}
-    export(base=base, target="exl3", out=work / "exl3", bits=args.bits)
-    ref_dir = dequantized(work / "exl3", work / "dequantized")
-    result: dict = {"device": torch.cuda.get_device_name(0), "bits": args.bits, "dims": DIMS,
-                    "adapters": {n: v for n, (v, _) in ADAPTERS.items()}}
-    backend = ExllamaV3Backend.from_options(ServeOptions(base=work / "exl3", engine="exllamav3", n_ctx=256,
-                                                         adapters={n: str(p) for n, p in adapters.items()}))
+    result: dict = {"device": torch.cuda.get_device_name(0), "exllamav3": version, "bits": args.bits,
+                    "dims": DIMS, "adapters": {n: v for n, (v, _) in ADAPTERS.items()}}
+    backend = None
     try:
+        base = make_base("llama", work / "base", dtype="bf16", dims=DIMS)
+        adapters = {n: make_adapter(base, v, work / f"adapter-{n}", seed=s) for n, (v, s) in ADAPTERS.items()}
+        exl3 = export(base=base, target="exl3", out=work / "exl3", bits=args.bits).out
+        result["export_seconds"] = round(time.time() - t0, 1)
+        ref_dir = dequantized(exl3, work / "dequantized", base)
+        backend = ExllamaV3Backend.from_options(ServeOptions(base=exl3, engine="exllamav3", n_ctx=256,
+                                                             adapters={n: str(p) for n, p in adapters.items()}))
         vocab = backend.vocab_size
-        result["fast_paths_found"] = len(backend.exl.fast.saved)
+        result["fast_paths"] = backend.exl.fast.describe()
+        result["tokens_per_request"] = len(engine_run(backend, PROMPTS[0], {}, None)[0])  # GREEDY expected
         kl: dict = {}
+        result["kl_vs_peft_on_dequantized_base"] = kl
         for name in ("base", *adapters):
-            chosen = {} if name == "base" else {name: 1.0}
             ref = (load_peft(ref_dir, adapters[name]) if name != "base" else load_hf(ref_dir)).to("cuda")
-            rows = [reference_kl(ref, p, *engine_run(backend, p, chosen, vocab), vocab) for p in PROMPTS]
-            kl[name] = {"kl_mean": sum(r["kl_mean"] for r in rows) / len(rows),
-                        "kl_max": max(r["kl_max"] for r in rows), "top1": sum(r["top1"] for r in rows) / len(rows)}
+            kl[name] = adapter_kl(backend, ref, vocab, {} if name == "base" else {name: 1.0})
+            if name == "a1":
+                try:
+                    result["a1_with_fast_paths_left_on"] = fast_paths_left_on(backend, ref, vocab, name)
+                except Exception:  # noqa: BLE001 - a diagnostic: recorded, the check goes on
+                    result["a1_with_fast_paths_left_on"] = {"error": traceback.format_exc()}
             del ref
             torch.cuda.empty_cache()
-        result["kl_vs_peft_on_dequantized_base"] = kl
         sets = [("base", {})] + [(n, {n: 1.0}) for n in adapters]
         alone = {(n, i): engine_run(backend, p, a, None)[0] for n, a in sets for i, p in enumerate(PROMPTS)}
         work_items = [(n, a, i, p) for i, p in enumerate(PROMPTS) for n, a in sets]  # interleaved
@@ -164,12 +207,18 @@ def main() -> None:
                                    "adapter_set_switches": backend.exl.turns.switches,
                                    "max_batch_seqs": backend.exl.max_batch_seqs}
         result["adapter_a_differs_from_base"] = any(alone[("a1", i)] != alone[("base", i)] for i in range(len(PROMPTS)))
+    except Exception:  # noqa: BLE001 - recorded with what was measured before it
+        result["error"] = traceback.format_exc()
     finally:
-        backend.close()
-    result["seconds"] = round(time.time() - t0, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "exllamav3_adapters.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001
+                result.setdefault("close_error", traceback.format_exc())
+        result["seconds"] = round(time.time() - t0, 1)
+        (args.out / "exllamav3_adapters.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+    sys.exit(1 if "error" in result else 0)
 
 
 if __name__ == "__main__":

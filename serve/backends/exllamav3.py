@@ -210,7 +210,7 @@ class ExllamaV3Backend(InProcessBackend):
     def describe(self) -> dict:
         return {**super().describe(), "exl3_model": str(self.model_dir), "n_ctx": self.exl.n_ctx,
                 "cache_tokens": self.exl.cache_tokens, "max_batch": self.exl.max_batch,
-                "adapter_set_switches": self.exl.turns.switches}
+                "adapter_set_switches": self.exl.turns.switches, "fast_paths": self.exl.fast.describe()}
 
     def close(self) -> None:
         self.exl.close()

@@ -84,15 +84,31 @@ class AdapterTurns:
 
 class FastPaths:
     """exllamav3's fused decode paths that skip ``Linear.forward`` (and so LoRA), found on the loaded model:
-    ``off()`` while adapters are registered, ``on()`` again for the base."""
+    ``off()`` while adapters are registered, ``on()`` again for the base.
 
-    ATTRS = ("multi_kv", "multi_qg")
+    What exllamav3 1.4 (``modules/attn.py``, ``sliding_attn.py``, ``mlp.py``) has, each optional and checked at
+    every forward (so setting it to None takes the per-``Linear`` path): ``multi_kv`` / ``multi_qg`` (paired
+    projections as one mgemm for up to 32 rows, prefill included), ``multi_qkv`` (a later sliced Q/K/V bundle,
+    when present), ``GatedMLP.multi_gu`` (a list per slice), ``MLP.bc`` / ``GatedMLP.bc`` (graphed MLPs), and the
+    graph-captured decode attention, gated by the module global ``_bc_attn_enable`` that ``attn.py`` and
+    ``sliding_attn.py`` each import from ``attention_fn/bc_attn.py`` and read at every decode step."""
+
+    ATTRS = ("multi_kv", "multi_qg", "multi_qkv")
+    BC_CLASSES = ("MLP", "GatedMLP")
+    FLAG_MODULES = ("exllamav3.modules.attn", "exllamav3.modules.sliding_attn")
+    FLAG = "_bc_attn_enable"
 
     def __init__(self, model) -> None:
-        import exllamav3.modules.attn as attn
+        import importlib
 
-        self.attn = attn
-        self.bc_attn = getattr(attn, "_bc_attn_enable", False)
+        self.flags: list[tuple[object, object]] = []  # (module with FLAG, its value at load)
+        for name in self.FLAG_MODULES:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            if hasattr(mod, self.FLAG):
+                self.flags.append((mod, getattr(mod, self.FLAG)))
         self.saved: list[tuple[object, str, object]] = []
         for m in model:
             for attr in self.ATTRS:
@@ -100,25 +116,32 @@ class FastPaths:
                     self.saved.append((m, attr, getattr(m, attr)))
             if isinstance(getattr(m, "multi_gu", None), list) and any(x is not None for x in m.multi_gu):
                 self.saved.append((m, "multi_gu", list(m.multi_gu)))
-            if type(m).__name__ in ("MLP", "GatedMLP") and getattr(m, "bc", None) is not None:
+            if type(m).__name__ in self.BC_CLASSES and getattr(m, "bc", None) is not None:
                 self.saved.append((m, "bc", m.bc))
+        if not self.flags:
+            log.warning("exllamav3 has no %s flag in %s: its graph-captured decode attention, if any, cannot be "
+                        "switched off and may skip adapters (check with benchmarks/gpu/exllamav3_adapters.py)",
+                        self.FLAG, " or ".join(self.FLAG_MODULES))
         self.enabled = True
 
     def off(self) -> None:
         if self.enabled:
             for m, attr, value in self.saved:
                 setattr(m, attr, [None] * len(value) if isinstance(value, list) else None)
-            if hasattr(self.attn, "_bc_attn_enable"):
-                self.attn._bc_attn_enable = False
+            for mod, _ in self.flags:
+                setattr(mod, self.FLAG, False)
             self.enabled = False
 
     def on(self) -> None:
         if not self.enabled:
             for m, attr, value in self.saved:
-                setattr(m, attr, value)
-            if hasattr(self.attn, "_bc_attn_enable"):
-                self.attn._bc_attn_enable = self.bc_attn
+                setattr(m, attr, list(value) if isinstance(value, list) else value)
+            for mod, value in self.flags:
+                setattr(mod, self.FLAG, value)
             self.enabled = True
+
+    def describe(self) -> dict:
+        return {"switched": len(self.saved), "attention_graph_flags": len(self.flags)}
 
 
 @dataclass(eq=False)
@@ -141,7 +164,9 @@ class Exl3Engine(AdapterEngine):
     def __init__(self, model_dir: Path, *, n_ctx: int = 2048, cache_tokens: int = 16384, max_batch: int = 32) -> None:
         self.model_dir = Path(model_dir)
         self.n_ctx, self.max_batch = n_ctx, max_batch
-        self.cache_tokens = round_cache(max(cache_tokens, n_ctx))
+        # one token over n_ctx: each job is given max_tokens + 1 (see _job), and exllamav3 refuses a job whose
+        # prompt + max_new_tokens needs more pages than the cache has
+        self.cache_tokens = round_cache(max(cache_tokens, n_ctx + 1))
         self.turns = AdapterTurns(max_batch)
         self._cv = threading.Condition()
         self._jobs: list[tuple[Callable[[], object], Future]] = []
@@ -160,13 +185,21 @@ class Exl3Engine(AdapterEngine):
     def _load_model(self) -> None:
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
+        try:
+            from exllamav3.model.lora import LoRA  # noqa: F401 - checked here, used by _place
+        except ImportError as e:
+            raise UserError(f"this exllamav3 has no run-time LoRA (exllamav3.model.lora: {e})",
+                            "install an exllamav3 with exllamav3/model/lora.py (1.4 or later)") from e
         config = Config.from_directory(str(self.model_dir))
         self.model = Model.from_config(config)
-        self.cache = Cache(self.model, max_num_tokens=self.cache_tokens)
+        self.cache = Cache(self.model, max_num_tokens=self.cache_tokens)  # before load(): load allocates it
         self.model.load()
         self.tokenizer = Tokenizer.from_config(config)
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer,
                                    max_batch_size=self.max_batch)
+        if not callable(getattr(getattr(self.generator, "pagetable", None), "reset_page_table", None)):
+            raise RuntimeError("this exllamav3's Generator has no pagetable.reset_page_table(): its prefix cache "
+                               "cannot be dropped when the adapter set changes")
         self.n_vocab = int(config.vocab_size)
         self.fast = FastPaths(self.model)
 
@@ -211,14 +244,26 @@ class Exl3Engine(AdapterEngine):
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - the caller raises it
                     fut.set_exception(e)
+            for s in [s for s in admit if any(name not in self._loaded for name, _ in s.key)]:
+                admit.remove(s)
+                s.out.put(UserError("the request's adapter was unloaded meanwhile", "retry the request"))
             if admit and key != self._active:
-                self._activate(key)
+                try:
+                    self._activate(key)
+                except Exception as e:  # noqa: BLE001 - these requests fail, the engine goes on
+                    log.exception("ExLlamaV3 could not switch adapters")
+                    self._activate(())
+                    for s in admit:
+                        s.out.put(e)
+                    admit = []
             for s in admit:
-                if s.key != () and any(name not in self._loaded for name, _ in s.key):
-                    s.out.put(UserError("the request's adapter was unloaded meanwhile", "retry the request"))
+                try:
+                    s.job = self._job(s)
+                    self.generator.enqueue(s.job)  # asserts the job fits the cache and the batch
+                except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
+                    log.exception("ExLlamaV3 refused a job")
+                    s.out.put(e)
                     continue
-                s.job = self._job(s)
-                self.generator.enqueue(s.job)
                 running.append(s)
             for s in [s for s in running if s.cancelled]:
                 self.generator.cancel(s.job)
@@ -242,7 +287,10 @@ class Exl3Engine(AdapterEngine):
 
         r = s.req
         sampler = ArgmaxSampler() if r.temperature <= 0 else TopPSampler(r.top_p, temperature=r.temperature)
-        return Job(input_ids=torch.tensor([r.prompt_tokens], dtype=torch.long), max_new_tokens=r.max_tokens,
+        # max_new_tokens one over: exllamav3's Job ends after max_new_tokens - 1 tokens (job.py: ``max_new_tokens
+        # - 1 or 1``, checked against the tokens accepted so far); Sequence.emit ends the request at max_tokens
+        # and the job is cancelled then. No stop conditions: stop tokens and EOS are Sequence.emit's too.
+        return Job(input_ids=torch.tensor([r.prompt_tokens], dtype=torch.long), max_new_tokens=r.max_tokens + 1,
                    sampler=sampler, seed=r.seed, stop_conditions=[], return_logits=r.logprobs is not None,
                    identifier=s)
 
@@ -282,6 +330,15 @@ class Exl3Engine(AdapterEngine):
         self.generator.pagetable.reset_page_table()  # cached pages hold another adapter set's K/V
         self._active = key
 
+    def _scrub(self) -> None:
+        """Every LoRA tensor that is not the active set's taken off the model's linears (after a failed load)."""
+        keep = {self._loaded[name].lora for name, _ in self._active if name in self._loaded}
+        for m in self.model:
+            for table in (getattr(m, "lora_a_tensors", None), getattr(m, "lora_b_tensors", None)):
+                if isinstance(table, dict):
+                    for lora in [k for k in table if k not in keep]:
+                        del table[lora]
+
     def _fail_all(self, e: Exception) -> None:
         with self._cv:
             self._closed = True
@@ -312,9 +369,18 @@ class Exl3Engine(AdapterEngine):
 
         if name in self._loaded:
             raise UserError(f"adapter {name!r} is already loaded", "unload it first")
-        lora = LoRA.from_directory(self.model, str(directory))
-        tensors = [(m, m.lora_a_tensors.pop(lora), m.lora_b_tensors.pop(lora))
-                   for m in lora.target_modules.values()]
+        try:
+            lora = LoRA.from_directory(self.model, str(directory))
+        except BaseException:
+            self._scrub()  # a load that failed half-way leaves tensors on the linears, applied to every request
+            raise
+        pairs = {key: (m, m.lora_a_tensors.pop(lora, None), m.lora_b_tensors.pop(lora, None))
+                 for key, m in lora.target_modules.items()}
+        tensors = [(m, a, b) for m, a, b in pairs.values() if a is not None and b is not None]
+        placed = {key for key, (_, a, b) in pairs.items() if a is not None and b is not None}
+        if missing := unplaced(adapter_modules(Path(directory)), placed):
+            raise UserError(f"exllamav3 placed {len(placed)} of adapter {name}'s modules, not e.g. {missing[0]}: it "
+                            "would apply only in part", "it was trained for another model")
         if not tensors:
             raise UserError(f"exllamav3 matched none of adapter {name}'s modules", "it was trained for another model")
         nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b in tensors)
@@ -329,7 +395,10 @@ class Exl3Engine(AdapterEngine):
         if loaded is None:
             raise UserError(f"adapter {name!r} is not loaded", "")
         if any(n == name for n, _ in self._active):
-            self._activate(())  # the pool never unloads an adapter in use: the generator is idle here
+            if self._running:  # the pool never unloads an adapter in use; never reset pages under a batch
+                self._loaded[name] = loaded
+                raise RuntimeError(f"adapter {name!r} is in use by running requests")
+            self._activate(())
         loaded.lora.unload()
 
     # -- requests ------------------------------------------------------------------------------------
@@ -361,6 +430,23 @@ class Exl3Engine(AdapterEngine):
         model = getattr(self, "model", None)
         if model is not None:
             model.unload()
+
+
+def adapter_modules(directory: Path) -> set[str]:
+    """The module paths a PEFT directory holds a ``lora_A`` for, as its keys spell them (PEFT prefix included)."""
+    from safetensors import safe_open
+
+    path = directory / "adapter_model.safetensors"
+    if not path.is_file():
+        return set()
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+    return {".".join(k.split(".")[: k.split(".").index("lora_A")]) for k in keys if "lora_A" in k.split(".")}
+
+
+def unplaced(expected: set[str], placed: set[str]) -> list[str]:
+    """The paths of ``expected`` that no placed module key ends (exllamav3 matches PEFT paths by key suffix)."""
+    return sorted(p for p in expected if not any(p == k or p.endswith("." + k) for k in placed))
 
 
 def eos_ids(model_dir: Path) -> set[int]:
