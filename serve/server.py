@@ -311,13 +311,14 @@ def _planned_gpu_layers(opts: ServeOptions, notes: list[str]) -> int:
     this machine's llama.cpp could not offload it."""
     from tuneport.convert.gguf.gpu import ALL, n_gpu_layers
 
+    asked = -1 if opts.gpu_layers == ALL else int(opts.gpu_layers or 0)
     if not engine_spec("llamacpp").installed():
-        return -1 if opts.gpu_layers == ALL else int(opts.gpu_layers or 0)
+        return asked
     try:
         return n_gpu_layers(opts.gpu_layers)
     except UserError as e:
         notes.append(f"llama.cpp: {e.line()}")
-        return -1 if opts.gpu_layers == ALL else int(opts.gpu_layers)
+        return asked
 
 
 def _tabby_command(opts: ServeOptions, model: Path) -> dict:

@@ -19,8 +19,8 @@ from test_real_adapters import ADAPTERS, _real_adapter, _tiny_base
 
 from tuneport.convert.checkpoint import Checkpoint
 from tuneport.convert.errors import UserError
-from tuneport.convert.exl3.adapter import MERGE_HINT, cached_exl3_adapter, part_rows
-from tuneport.convert.exl3.read import FUSED_PARTS, Exl3Model
+from tuneport.convert.exl3.adapter import MERGE_HINT, cached_exl3_adapter
+from tuneport.convert.exl3.read import FUSED_PARTS, Exl3Model, part_rows
 from tuneport.toolkit.fidelity import load_peft, logits
 
 IDS = torch.tensor([[1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]])

@@ -21,7 +21,6 @@ splits it into q/k/v). So the adapter is rewritten here, from tuneport's reader 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from ..adapter import PEFT_PREFIX, Adapter, load_adapter
 from ..cache import cache_dir, write_once
 from ..errors import UserError
 from ..hashing import config_digest, content_digest
-from .read import FUSED_PARTS, Exl3Model
+from .read import FUSED_PARTS, Exl3Model, part_rows
 
 WEIGHTS = "adapter_model.safetensors"
 MERGE_HINT = "merge it: tuneport export --target exl3 --adapter PATH"
@@ -82,13 +81,6 @@ def refusals(adapter: Adapter) -> list[str]:
             origin, "saved base layers")
         problems.append(f"{what} ({', '.join(names[:3])}): exllamav3 loads no whole tensors from an adapter")
     return problems
-
-
-def part_rows(config: dict, fused: str) -> list[tuple[str, int]]:
-    """(part, rows) of a fused linear exllamav3 stores split (``read.FUSED_PARTS``), from the model's config."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    values = {**config, "head_dim": head_dim}
-    return [(part, math.prod(int(values[k]) for k in keys)) for part, keys in FUSED_PARTS[fused]]
 
 
 def exl3_lora(adapter: Adapter, model: Exl3Model) -> Exl3Lora:

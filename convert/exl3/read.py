@@ -166,14 +166,19 @@ def reference_rows(reference: Checkpoint, key: str, tied_head: str | None) -> to
         return reference.read(tied_head)
     parent, _, part = key.rpartition(".")
     for fused, parts in FUSED_PARTS.items():
-        names = [p for p, _ in parts]
-        if part in names and f"{parent}.{fused}.weight" in reference:
-            cfg = reference.config
-            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-            sizes = [math.prod({**cfg, "head_dim": head_dim}[k] for k in keys) for _, keys in parts]
-            start = sum(sizes[: names.index(part)])
-            return reference.read(f"{parent}.{fused}.weight")[start: start + sizes[names.index(part)]]
+        if part in dict(parts) and f"{parent}.{fused}.weight" in reference:
+            sizes = dict(part_rows(reference.config, fused))
+            names = list(sizes)
+            start = sum(sizes[n] for n in names[: names.index(part)])
+            return reference.read(f"{parent}.{fused}.weight")[start: start + sizes[part]]
     return None
+
+
+def part_rows(config: dict, fused: str) -> list[tuple[str, int]]:
+    """(part, rows) of a fused linear exllamav3 stores split (``FUSED_PARTS``), from the model's config."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    values = {**config, "head_dim": head_dim}
+    return [(part, math.prod(int(values[k]) for k in keys)) for part, keys in FUSED_PARTS[fused]]
 
 
 def relative_errors(model: Exl3Model, reference: Checkpoint, tied_head: str | None = None) -> dict[str, float]:

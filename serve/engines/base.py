@@ -9,7 +9,7 @@ built over them by :class:`tuneport.serve.backends.inprocess.InProcessBackend`.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -188,9 +188,10 @@ class TokenEngine(Protocol):
 
 class AdapterEngine:
     """What the in-process engines with named adapters share: ``_loaded`` (name -> what the engine holds for
-    it), listed by ``adapters``; ``generate`` as the tokens of ``events``."""
+    it), listed by ``adapters``; ``generate`` as the tokens of the subclass's ``events``."""
 
     _loaded: dict
+    events: Callable[[GenerationRequest], Iterator[Event]]
 
     @property
     def adapters(self) -> list[str]:
@@ -199,9 +200,6 @@ class AdapterEngine:
     def generate(self, request: GenerationRequest) -> Iterator[int]:
         """Tokens one at a time for ``request``; closing the iterator cancels it."""
         return tokens_of(self.events(request))
-
-    def events(self, request: GenerationRequest) -> Iterator[Event]:
-        raise NotImplementedError
 
 
 def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Generator) -> int:
