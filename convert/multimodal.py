@@ -11,47 +11,14 @@ view's config is that class's full dict.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from .adapter import Adapter
+from .arch import ARCHS, TextTower
 from .checkpoint import Checkpoint
 from .errors import UserError
 
-
-@dataclass(frozen=True)
-class TextTower:
-    text_model_type: str  # the text model's model_type, an ARCHS entry
-    config_class: str  # transformers config class that fills the text_config's defaults
-    renames: tuple[tuple[str, str], ...]  # name prefix in the checkpoint or adapter -> in the text model
-    vision: tuple[str, ...]  # prefixes of the parts text-only targets drop
-    # transformers 5's module names (PEFT's) -> the checkpoint's, for targets that keep the whole checkpoint
-    checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    inherited: tuple[str, ...] = ("tie_word_embeddings",)  # top-level keys the text model takes
-    # (prefix, layout vLLM loads): transformers 5 saves SigLIP without its ``vision_model`` level, which vLLM
-    # 0.32 cannot load ("no module or parameter named 'vision_tower.embeddings'"); the hub's layout has it
-    vllm_renames: tuple[tuple[str, str], ...] = ()
-    # a text-model name prefix -> the whole model's (transformers 5's, PEFT's), for targets that quantize the text
-    # model and write the whole checkpoint (AWQ)
-    memory_prefixes: tuple[tuple[str, str], ...] = ()
-    keep_16bit: tuple[str, ...] = ()  # compressed-tensors ignore patterns for the parts left unquantized
-
-
-TEXT_TOWERS: dict[str, TextTower] = {
-    "gemma3": TextTower(
-        "gemma3_text", "Gemma3TextConfig",
-        renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
-                 ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
-        vision=("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."),
-        checkpoint_renames=(("model.language_model.", "language_model.model."),
-                            ("model.vision_tower.", "vision_tower."),
-                            ("model.multi_modal_projector.", "multi_modal_projector."),
-                            ("lm_head.", "language_model.lm_head.")),
-        vllm_renames=(("vision_tower.", "vision_tower.vision_model."),
-                      ("model.vision_tower.", "model.vision_tower.vision_model.")),
-        memory_prefixes=(("model.", "model.language_model."), ("lm_head.", "lm_head.")),
-        keep_16bit=("re:.*vision_tower.*", "re:.*multi_modal_projector.*"),
-    ),
-}
+TEXT_TOWERS: dict[str, TextTower] = {m: a.text_tower for m, a in ARCHS.items() if a.text_tower}  # a table view
 TEXT_ONLY_TARGETS = ("gguf", "mlx")  # what exports the text tower alone
 # What keeps the whole checkpoint (vision tower included). vLLM serves Gemma3ForConditionalGeneration with LoRA on
 # its language model; images need torchvision, which its CPU build gets only as tests/env/torchvision_cpu_ops.py says.

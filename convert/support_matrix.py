@@ -1,5 +1,5 @@
 """The support matrix: architecture x target, each cell read from the table of the target that decides it
-(``ARCHS``, ``GGUF_ARCHS``, ``AWQ_ARCHS``, ``MLX_ARCHS``), with the reason where a target refuses.
+(``convert.arch``: each entry's facts for that target), with the reason where a target refuses.
 
 ``docs/architectures.md`` is generated from it (``python -m tuneport.toolkit.arch_docs``), and the parity tests
 take their architectures from it, so a new table entry is tested on every target it claims.
@@ -43,7 +43,7 @@ COLUMNS: tuple[MatrixColumn, ...] = (
 # exports it); merge reads the HF layout as it is, so every architecture in ARCHS.
 REFUSALS: dict[str, str] = {
     "merge": ":", "vllm": "vllm_rules:vllm_refusal", "gguf": "gguf.model:gguf_refusal",
-    "awq": "calibration.layouts:awq_refusal", "mlx": "mlx.archs:mlx_refusal", "exl3": "exl3.converter:exl3_refusal",
+    "awq": "calibration.archs:awq_refusal", "mlx": "mlx.archs:mlx_refusal", "exl3": "exl3.converter:exl3_refusal",
 }
 
 # Bases users fine-tune that have no entry yet: what a user sees in the matrix instead of a silent gap.

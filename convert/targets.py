@@ -73,7 +73,7 @@ def layers_present(ckpt: Checkpoint) -> None:
 
 
 def awq_architecture(ckpt: Checkpoint) -> None:
-    from .calibration.layouts import awq_arch_for
+    from .calibration.archs import awq_arch_for
 
     awq_arch_for(arch_for(ckpt.model_type).model_type)
     layers_present(ckpt)

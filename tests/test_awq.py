@@ -19,9 +19,9 @@ from tuneport.convert.arch import ARCHS
 from tuneport.convert.awq.export import calibrated_checkpoint
 from tuneport.convert.awq.formats import FORMATS, scheme_of
 from tuneport.convert.awq.quant import QuantScheme, dequantize, fake_quantize, quantize
+from tuneport.convert.calibration.archs import awq_arch_for
 from tuneport.convert.calibration.blocks import BlockPass
 from tuneport.convert.calibration.hooks import hooked_modules
-from tuneport.convert.calibration.layouts import awq_arch_for
 from tuneport.convert.calibration.text import HELDOUT_MODULES, stdlib_text, token_chunks
 from tuneport.convert.checkpoint import Checkpoint
 from tuneport.convert.cpu_features import w4a16_cpu_problem
@@ -182,7 +182,7 @@ def test_awq_gemm_names_fused_sets_kept_16bit_as_vllm_fuses_them(zoo, tmp_path):
 def test_every_architecture_of_the_table_has_an_awq_entry():
     """AWQ calibrates every architecture tuneport knows (a multimodal checkpoint's text model): a new table entry
     without one fails here, and the support matrix would show the refusal."""
-    from tuneport.convert.calibration.layouts import awq_refusal
+    from tuneport.convert.calibration.archs import awq_refusal
     from tuneport.convert.support_matrix import model_types
 
     assert {m: awq_refusal(m) for m in model_types() if awq_refusal(m)} == {}

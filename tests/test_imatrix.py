@@ -90,7 +90,7 @@ def compare(ours: IMatrix, theirs: IMatrix) -> dict[str, tuple[float, float, flo
 
 
 def _calibrated_archs() -> list[str]:
-    from tuneport.convert.calibration.layouts import AWQ_ARCHS
+    from tuneport.convert.calibration.archs import AWQ_ARCHS
     from tuneport.convert.support_matrix import supported
 
     return [a for a in supported("gguf") if a in AWQ_ARCHS and AWQ_ARCHS[a].moe_norm is None]

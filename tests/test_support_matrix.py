@@ -66,3 +66,28 @@ def test_every_refused_cell_is_refused_by_the_export_with_its_reason(zoo, target
         with pytest.raises(UserError) as e:
             check_base(Checkpoint(zoo.base(model_type)), target)
         assert why in str(e.value), (model_type, str(e.value))
+
+
+def test_each_architecture_is_one_module_and_every_target_table_a_view_of_it():
+    """Adding an architecture is one module of convert/arch (plus its tiny model): each module holds the entry of
+    the model_type it is named after, and the per-target tables hold that entry's facts, not facts of their own."""
+    import pkgutil
+
+    import tuneport.convert.arch as package
+    from tuneport.convert.calibration.archs import AWQ_ARCHS
+    from tuneport.convert.exl3.converter import EXL3_ARCHS
+    from tuneport.convert.gguf.config_keys import GGUF_CONFIG_RULES
+    from tuneport.convert.gguf.model import GGUF_ARCHS
+    from tuneport.convert.mlx.archs import MLX_ARCHS
+    from tuneport.convert.multimodal import TEXT_TOWERS
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)} - package.NOT_ENTRIES
+    assert modules == set(ARCHS)
+    for model_type, arch in ARCHS.items():
+        assert importlib.import_module(f"tuneport.convert.arch.{model_type}").ARCH is arch
+        assert GGUF_ARCHS.get(model_type) is arch.gguf and MLX_ARCHS.get(model_type) is arch.mlx
+        assert AWQ_ARCHS.get(model_type) is arch.awq and TEXT_TOWERS.get(model_type) is arch.text_tower
+        assert (model_type in EXL3_ARCHS) == arch.exl3
+        assert GGUF_CONFIG_RULES.get(model_type) == (dict(arch.gguf.config_rules) if arch.gguf else None)
+        for target in arch.refusals:
+            assert not getattr(arch, target), f"{model_type}: a refusal for {target}, which its entry exports"

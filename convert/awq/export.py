@@ -15,9 +15,10 @@ import torch
 
 from ..arch import arch_for
 from ..atomic import atomic_dir
+from ..calibration.archs import awq_arch_for, dense_layers_refusal
 from ..calibration.blocks import NOT_WEIGHTS, BlockPass
 from ..calibration.hooks import hooked_modules
-from ..calibration.layouts import FUSED_SETS, awq_arch_for, dense_layers_refusal
+from ..calibration.layouts import FUSED_SETS
 from ..calibration.text import load_calibration
 from ..checkpoint import Checkpoint
 from ..cpu_features import w4a16_cpu_problem

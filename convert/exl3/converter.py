@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..arch import ARCHS, target_refusal
 from ..errors import UserError
 from . import CODEBOOKS, HALF_RATES
 
@@ -34,18 +35,14 @@ HEAD_BITS = (*range(1, 9), 16)
 # exllamav3/architecture/architectures.py); the others are refused before any work, with the reason. The
 # mixtures of experts are quantized one linear per expert (exllamav3's BlockSparseMLP), each decode-checked
 # against the checkpoint's expert (read.expert_reference); the router stays fp16.
-EXL3_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemma2", "smollm3", "mixtral", "qwen3_moe")
-EXL3_NOT_SUPPORTED = {
-    "granite": "exllamav3 has no architecture for GraniteForCausalLM",
-    "olmo2": "exllamav3 has no architecture for Olmo2ForCausalLM (it has Olmo3's)",
-}
+EXL3_ARCHS = tuple(m for m, a in ARCHS.items() if a.exl3)  # a view of the architecture table
 
 
 def exl3_refusal(model_type: str) -> str | None:
     """Why exllamav3 cannot convert ``model_type``, or None."""
-    if model_type in EXL3_ARCHS:
-        return None
-    return EXL3_NOT_SUPPORTED.get(model_type, "no EXL3 table entry")
+    return target_refusal(model_type, "exl3")
+
+
 INSTALL_HINT = ("on an NVIDIA GPU host: pip install exllamav3 (its extension compiles with nvcc at first import), "
                 "then run the same export there; or --dry-run to print the plan here")
 CONVERTER_SNIPPET = (

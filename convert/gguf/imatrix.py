@@ -97,14 +97,13 @@ def gguf_stacks(arch: ArchSpec, plan: MergePlan) -> dict[str, tuple[str, int]]:
 
 def calibration_arch(model_type: str, config: dict | None = None):
     """The calibration pass's table entry (transformers layer classes, linears sharing an input)."""
-    from ..calibration.layouts import AWQ_ARCHS, NOT_SUPPORTED, dense_layers_refusal
+    from ..arch import target_refusal
+    from ..calibration.archs import AWQ_ARCHS, dense_layers_refusal
 
-    if model_type in AWQ_ARCHS:
+    if (why := target_refusal(model_type, "awq")) is None:
         carch = AWQ_ARCHS[model_type]
         if (why := dense_layers_refusal(carch, config or {})) is None:
             return carch
-    else:
-        why = NOT_SUPPORTED.get(model_type, "no entry in the calibration table")
     raise UserError(f"--calib (importance matrix) is not available for this {model_type!r}: {why}",
                     f"drop --calib/--calib-samples/--calib-seqlen and use a --quant type that needs no "
                     f"importance matrix (k-quants, iq3_s, iq4_xs, ...); tuneport's importance matrix covers "

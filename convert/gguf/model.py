@@ -1,6 +1,6 @@
 """HF model -> GGUF, streaming: tensors are read, converted and written one at a time.
 
-Architecture quirks come from ``GGUF_ARCHS`` (data); names from gguf-py's tensor name tables.
+Architecture quirks come from the entry's ``GGUFArch`` (``convert.arch``); names from gguf-py's tensor name tables.
 """
 
 from __future__ import annotations
@@ -13,77 +13,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arch import ArchSpec
+from ..arch import ARCHS, ArchSpec, target_refusal
 from ..errors import UserError
 from ..experts import expert_groups
+from .arch_facts import GGUFArch
 from .config_keys import GGUFConfigFacts, gguf_config_facts
 from .vocab import GGUFVocab
 
 Progress = Callable[[int, int, str], None]
 
 
-@dataclass(frozen=True)
-class GGUFArch:
-    """How one HF architecture becomes GGUF (facts from llama.cpp's own converter)."""
-
-    # (GGUF key suffix, HF config keys tried in order, kind) — written when a key is present
-    hparams: tuple[tuple[str, tuple[str, ...], str], ...]
-    norm_offset: float = 0.0  # Gemma stores norm weights as (w - 1)
-    write_vocab_size: bool = False
-    write_rope_dims: bool = False
-    write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
-    sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
-    softcap: bool = False  # final_logit_softcapping
-    attn_softcap: bool = False  # attn_logit_softcapping (Gemma 2)
-
-
-COMMON_HPARAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("context_length", ("max_position_embeddings", "n_ctx", "n_positions"), "u32"),
-    ("embedding_length", ("hidden_size", "n_embd"), "u32"),
-    ("feed_forward_length", ("intermediate_size", "n_inner"), "u32"),
-    ("attention.head_count", ("num_attention_heads", "n_head"), "u32"),
-    ("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads", "num_attention_heads"), "u32"),
-    ("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), "f32"),
-    ("attention.key_length", ("head_dim",), "u32"),
-    ("attention.value_length", ("head_dim",), "u32"),
-)
-
-SLIDING = (("attention.sliding_window", ("sliding_window",), "u32"),)
-EXPERTS = (("expert_count", ("num_local_experts", "num_experts"), "u32"),
-           ("expert_used_count", ("num_experts_per_tok",), "u32"))
-GGUF_ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
-    "mistral": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
-    "qwen2": GGUFArch(COMMON_HPARAMS),
-    "qwen3": GGUFArch(COMMON_HPARAMS),
-    "gemma3_text": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, write_freq_base_swa=True, softcap=True),
-    "phi3": GGUFArch(COMMON_HPARAMS + SLIDING, write_rope_dims=True, sliding_window_default=0),
-    "gemma2": GGUFArch(COMMON_HPARAMS + SLIDING, norm_offset=1.0, softcap=True, attn_softcap=True),
-    "olmo2": GGUFArch(COMMON_HPARAMS),
-    "granite": GGUFArch(COMMON_HPARAMS + (
-        ("embedding_scale", ("embedding_multiplier",), "f32"), ("residual_scale", ("residual_multiplier",), "f32"),
-        ("attention.scale", ("attention_multiplier",), "f32"), ("logit_scale", ("logits_scaling",), "f32"),
-    ), write_vocab_size=True, write_rope_dims=True),
-    "smollm3": GGUFArch(COMMON_HPARAMS, write_vocab_size=True, write_rope_dims=True),
-    "mixtral": GGUFArch(COMMON_HPARAMS + EXPERTS, write_vocab_size=True, write_rope_dims=True),
-    "qwen3_moe": GGUFArch(COMMON_HPARAMS + EXPERTS + (
-        ("expert_feed_forward_length", ("moe_intermediate_size",), "u32"),)),
-}
+GGUF_ARCHS: dict[str, GGUFArch] = {m: a.gguf for m, a in ARCHS.items() if a.gguf is not None}  # a table view
 KEEP_F32 = ("_norm.weight", "ffn_gate_inp.weight")  # norms, and the router (as llama.cpp's converter keeps it)
 DROPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
 
 def gguf_refusal(model_type: str) -> str | None:
     """Why the GGUF export refuses ``model_type``, or None."""
-    return None if model_type in GGUF_ARCHS else "no GGUF table entry"
+    return target_refusal(model_type, "gguf")
 
 
 def gguf_arch_for(arch: ArchSpec) -> GGUFArch:
-    try:
-        return GGUF_ARCHS[arch.model_type]
-    except KeyError:
+    if arch.gguf is None:
         raise UserError(f"GGUF export does not support architecture {arch.model_type!r}",
-                        f"supported: {', '.join(sorted(GGUF_ARCHS))}") from None
+                        f"supported: {', '.join(sorted(GGUF_ARCHS))}")
+    return arch.gguf
 
 
 def _cfg(config: dict, keys: Iterable[str]):
@@ -195,7 +149,7 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         if gname is None:
             raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
                             "the checkpoint has weights this architecture does not define")
-        if len(shape) <= 1 or gname.endswith(KEEP_F32) or not gname.endswith(".weight"):
+        if len(shape) <= 1 or gname.endswith(KEEP_F32 + garch.keep_f32) or not gname.endswith(".weight"):
             qtype = "F32"
         elif direct_type == "Q8_0" and shape[-1] % 32:
             qtype = "F16"  # llama.cpp's converter does the same

@@ -49,13 +49,6 @@ COMMON: dict[str, KeyRule] = {
                                        "rope_scaling)"),
     "tie_word_embeddings": KeyRule("carried", "an untied model's lm_head is written, and mlx-lm uses it"),
 }
-# Keys an architecture's config fixes translate into fields mlx-lm reads.
-FIXED: dict[str, dict[str, KeyRule]] = {
-    "gemma3_text": {"layer_types": KeyRule("carried", "as sliding_window_pattern"),
-                    "_sliding_window_pattern": KeyRule("inert", "layer_types is what counts")},
-}
-
-
 @functools.lru_cache(maxsize=32)
 def mlx_read_fields(model_type: str) -> frozenset[str]:
     """The config keys mlx-lm's model for ``model_type`` reads (its ``ModelArgs`` fields)."""
@@ -94,7 +87,7 @@ CHECKED = {"rope_scaling": _short_factors_differ, "rope_parameters": _short_fact
 def mlx_config_rules(model_type: str) -> dict[str, KeyRule]:
     """The audit's rules for ``model_type`` exported to mlx-lm."""
     module = mlx_arch_for(model_type).mlx_model
-    rules = {**COMMON, **FIXED.get(model_type, {})}
+    rules = {**COMMON, **mlx_arch_for(model_type).fixed_rules}
     rules.update({k: KeyRule("carried", f"read by mlx-lm's {module}.ModelArgs") for k in mlx_read_fields(model_type)})
     for key, check in CHECKED.items():
         if key in rules:

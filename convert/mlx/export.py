@@ -219,7 +219,7 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     notes += audit_notes
     if dropped:
         notes.append(f"config: {', '.join(dropped)} left out: mlx-lm reads them, transformers' model does not")
-    notes += [f"{march.model_type}: {n}" for n in march.notes]
+    notes += [f"{arch.model_type}: {n}" for n in march.notes]
     if qplan:
         kept = sorted({m for s in layout.sources if s.dtype.is_floating_point and len(s.shape) == 2
                        and (m := layout.stacked.get(s.name, (s.name.removesuffix(".weight"),))[0])

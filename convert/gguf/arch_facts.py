@@ -1,0 +1,52 @@
+"""The vocabulary of an architecture's GGUF facts (from llama.cpp's own converter and loader): which config
+keys become which GGUF hyperparameters, what the writer folds into the weights, and the audit's rules. An
+architecture's entry (``convert.arch.<model_type>``) holds one ``GGUFArch``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from ..config_audit import KeyRule
+
+# (GGUF key suffix, HF config keys tried in order, kind): written when a key is present
+HParam = tuple[str, tuple[str, ...], str]
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFArch:
+    """How one HF architecture becomes GGUF."""
+
+    hparams: tuple[HParam, ...]
+    # what llama.cpp does with each config.json key (``gguf.config_rules``'s vocabulary); a key it leaves out is
+    # judged by what transformers reads (``config_audit``)
+    config_rules: Mapping[str, KeyRule] = field(default_factory=lambda: MappingProxyType({}))
+    norm_offset: float = 0.0  # Gemma stores norm weights as (w - 1)
+    write_vocab_size: bool = False
+    write_rope_dims: bool = False
+    write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
+    sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
+    softcap: bool = False  # final_logit_softcapping
+    attn_softcap: bool = False  # attn_logit_softcapping (Gemma 2)
+    # Gemma: where ``query_pre_attn_scalar`` is folded ("q_norm" or "q_proj"), and the layer count at which
+    # llama.cpp takes the model for its 27B and scales queries by 1/sqrt(hidden/heads) instead of 1/sqrt(head_dim)
+    query_fold: str | None = None
+    hidden_scaled_queries_at_layers: int | None = None
+    # tensors (GGUF name suffixes) kept in F32 besides the norms and the router
+    keep_f32: tuple[str, ...] = ()
+
+
+COMMON_HPARAMS: tuple[HParam, ...] = (
+    ("context_length", ("max_position_embeddings", "n_ctx", "n_positions"), "u32"),
+    ("embedding_length", ("hidden_size", "n_embd"), "u32"),
+    ("feed_forward_length", ("intermediate_size", "n_inner"), "u32"),
+    ("attention.head_count", ("num_attention_heads", "n_head"), "u32"),
+    ("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads", "num_attention_heads"), "u32"),
+    ("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), "f32"),
+    ("attention.key_length", ("head_dim",), "u32"),
+    ("attention.value_length", ("head_dim",), "u32"),
+)
+SLIDING: tuple[HParam, ...] = (("attention.sliding_window", ("sliding_window",), "u32"),)
+EXPERTS: tuple[HParam, ...] = (("expert_count", ("num_local_experts", "num_experts"), "u32"),
+                               ("expert_used_count", ("num_experts_per_tok",), "u32"))

@@ -1,0 +1,91 @@
+"""The vocabulary of the GGUF config rules: what llama.cpp does with a ``config.json`` key (carried into the
+GGUF's metadata, folded into the weights, capped, or refused with the reason; ``convert/config_audit.py``),
+in sets the architectures' entries (``convert.arch.<model_type>``) compose.
+
+Facts from llama.cpp's model loader (vendored in llama-cpp-python 0.3.36):
+- the llama graph (which runs Mistral), qwen2/qwen3 and phi3 run no sliding window (phi3: a window of 8 or 9
+  gave the same logits, measured): a window shorter than the
+  context becomes the GGUF's ``context_length`` (outputs agree up to it; llama.cpp warns past it);
+- Gemma 3 scales queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) at 62 layers, its 27B) and marks every
+  6th layer global: ``query_pre_attn_scalar`` is folded into ``attn_q_norm`` (exact: the norm's output only
+  goes through RoPE, a rotation, before the scale) and other layer patterns are refused;
+- RoPE: default, linear and yarn are carried, llama3 (a ``rope_freqs`` tensor) for the llama graph only
+  (qwen2 does not load the tensor); dynamic NTK, longrope and the others are refused.
+"""
+
+from __future__ import annotations
+
+from ..config_audit import KeyRule, must_be
+
+ROPE_TYPES = ("default", "linear", "yarn")  # llama3's rope_freqs tensor: only the llama graph loads it
+
+
+def rope_check(*types: str):
+    """RoPE settings llama.cpp is given for an architecture: these types, refused otherwise."""
+    def check(value, cfg: dict) -> str | None:
+        if not isinstance(value, dict):
+            return None
+        layers = [value[k] for k in ("full_attention", "sliding_attention") if isinstance(value.get(k), dict)]
+        for p in layers or [value]:
+            kind = p.get("rope_type", p.get("type", "default"))
+            if kind not in types:
+                return f"RoPE types llama.cpp runs for {cfg.get('model_type')}: {', '.join(types)}, not {kind!r}"
+        return None
+    return check
+
+
+def window_active(cfg: dict) -> bool:
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        return False
+    return bool(window) and int(window) < int(cfg.get("max_position_embeddings") or 0)
+
+
+SHAPES = {k: KeyRule("carried", f"{k} from the tensors' shapes and the GGUF hyperparameters") for k in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim")}
+COMMON: dict[str, KeyRule] = {
+    **SHAPES,
+    "rms_norm_eps": KeyRule("carried", "attention.layer_norm_rms_epsilon"),
+    "max_position_embeddings": KeyRule("carried", "context_length"),
+    "tie_word_embeddings": KeyRule("carried", "no output.weight when tied: llama.cpp reuses token_embd"),
+    "rope_theta": KeyRule("carried", "rope.freq_base"),
+    "rope_parameters": KeyRule("carried", "rope.freq_base and rope.scaling.* (linear, yarn)",
+                               rope_check(*ROPE_TYPES)),
+    "rope_scaling": KeyRule("carried", "as rope_parameters", rope_check(*ROPE_TYPES)),
+    "hidden_act": KeyRule("refused unless", "silu (llama.cpp's SwiGLU)",
+                          must_be("silu", why="llama.cpp's graph for it uses SiLU")),
+    "quantization_config": KeyRule("inert", "quantized inputs are refused before the audit"),
+    "pretraining_tp": KeyRule("inert", "transformers 5 computes the same for every value"),
+}
+NO_SLIDING_GRAPH = {
+    "sliding_window": KeyRule("capped", "llama.cpp runs no sliding window here: a window shorter than the context "
+                              "becomes context_length"),
+    "use_sliding_window": KeyRule("capped", "as sliding_window"),
+    "max_window_layers": KeyRule("inert", "with use_sliding_window the cap applies to every layer"),
+    "layer_types": KeyRule("capped", "sliding layers equal full ones up to the capped context_length",
+                           lambda v, cfg: None if all(t in ("full_attention", "sliding_attention") for t in v)
+                           else f"layer types {sorted(set(v))}"),
+}
+BIASES = {
+    "attention_bias": KeyRule("carried", "attn_{q,k,v,output}.bias"),
+    "mlp_bias": KeyRule("carried", "ffn_{gate,up,down}.bias"),
+}
+
+LLAMA_ROPE = {
+    "rope_parameters": KeyRule("carried", "rope.freq_base and rope.scaling.* (linear, yarn) or a rope_freqs tensor "
+                               "(llama3)", rope_check(*ROPE_TYPES, "llama3")),
+    "rope_scaling": KeyRule("carried", "as rope_parameters", rope_check(*ROPE_TYPES, "llama3")),
+}
+
+NO_BIASES = {k: KeyRule("refused unless", "false", must_be(False, None, why="llama.cpp's graph for it has no "
+                                                              "such biases")) for k in ("attention_bias", "mlp_bias")}
+
+MOE = {
+    "num_local_experts": KeyRule("carried", "expert_count"),
+    "num_experts": KeyRule("carried", "expert_count"),
+    "num_experts_per_tok": KeyRule("carried", "expert_used_count"),
+    "router_aux_loss_coef": KeyRule("inert", "a training loss"),
+    "output_router_logits": KeyRule("inert", "returns the router's logits for that loss"),
+    "router_jitter_noise": KeyRule("inert", "applied in training only"),
+}

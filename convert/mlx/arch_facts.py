@@ -1,0 +1,121 @@
+"""The vocabulary of an architecture's MLX facts (an entry of ``convert.arch`` holds one ``MlxArch``): what
+mlx-lm 0.32 reads differently from transformers (data, not if-chains).
+
+mlx-lm builds each model from ``config.json`` with its own ``ModelArgs``: some keys it reads only at the
+top level, where transformers 5 nests them (``rope_parameters``); where a key is missing it silently
+uses its own default (a qwen2 without a top-level ``rope_theta`` runs with base 1e6 — wrong logits).
+Each architecture lists the fixes its exported config needs and how its model differs from the HF one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from ..config_audit import KeyRule
+from ..errors import UserError
+
+ConfigFix = Callable[[dict], list[str]]  # fills the config in place; returns what it filled (for the manifest)
+
+
+def _rope_scaling(params: dict) -> dict | None:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    return {**{k: v for k, v in params.items() if k != "rope_theta"}, "type": kind, "rope_type": kind}
+
+
+def rope_top_level(cfg: dict) -> list[str]:
+    """transformers 5 keeps the rope base (and partial_rotary_factor, scaling) in ``rope_parameters``;
+    mlx-lm reads ``rope_theta``, ``partial_rotary_factor`` and ``rope_scaling`` at the top level."""
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return []
+    filled = []
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in params and key not in cfg:
+            cfg[key] = params[key]
+            filled.append(key)
+    if cfg.get("rope_scaling") is None and (scaling := _rope_scaling(params)) is not None:
+        cfg["rope_scaling"] = scaling
+        filled.append("rope_scaling")
+    return filled
+
+
+def gemma3_rope_and_windows(cfg: dict) -> list[str]:
+    """Gemma 3: one rope base per attention kind (``rope_parameters.full_attention`` /
+    ``sliding_attention``) become ``rope_theta`` / ``rope_local_base_freq``; ``layer_types`` become
+    mlx-lm's ``sliding_window_pattern`` (layer i is global iff (i + 1) % pattern == 0)."""
+    filled = []
+    params = cfg.get("rope_parameters") or {}
+    for kind, key in (("full_attention", "rope_theta"), ("sliding_attention", "rope_local_base_freq")):
+        p = params.get(kind)
+        if isinstance(p, dict) and "rope_theta" in p and key not in cfg:
+            cfg[key] = p["rope_theta"]
+            filled.append(key)
+            if kind == "full_attention" and cfg.get("rope_scaling") is None and (s := _rope_scaling(p)):
+                cfg["rope_scaling"] = s
+                filled.append("rope_scaling")
+    types = cfg.get("layer_types")
+    if types and "sliding_window_pattern" not in cfg:
+        sliding = [t == "sliding_attention" for t in types]
+        hint = cfg.get("_sliding_window_pattern")
+        # mlx-lm needs a global layer within the first `pattern` layers (it reads that layer's cache)
+        candidates = ([hint] if hint else []) + list(range(1, len(types) + 1))
+        pattern = next((p for p in candidates if p <= len(types)
+                        and all(s == ((i + 1) % p != 0) for i, s in enumerate(sliding))), None)
+        if pattern is None:
+            raise UserError(f"Gemma 3 layer_types {types} follow no pattern mlx-lm can express",
+                            "mlx-lm needs a global layer every sliding_window_pattern layers (at most the layer "
+                            "count); export for another engine")
+        cfg["sliding_window_pattern"] = pattern
+        filled.append("sliding_window_pattern")
+    return filled
+
+
+def no_sliding_window(cfg: dict) -> list[str]:
+    """mlx-lm's Llama (which runs Mistral) and Phi-3 have no sliding window: refuse a window shorter than
+    the context."""
+    window = cfg.get("sliding_window")
+    if window and window < cfg.get("max_position_embeddings", 0):
+        raise UserError(f"this {cfg.get('model_type')} model uses a sliding window of {window} tokens, which "
+                        "mlx-lm does not implement for it (outputs would differ past the window)",
+                        "export it for llama.cpp (--target gguf) or vLLM")
+    return []
+
+
+def expert_count_key(cfg: dict) -> list[str]:
+    """mlx-lm's Qwen3-MoE requires ``num_experts``; transformers 5 writes ``num_local_experts``."""
+    if "num_experts" in cfg or "num_local_experts" not in cfg:
+        return []
+    cfg["num_experts"] = cfg["num_local_experts"]
+    return ["num_experts"]
+
+
+def gemma_embed_factor(cfg: dict) -> float:
+    """mlx-lm's Gemma 3 multiplies the embedding lookup (LoRA included) by sqrt(hidden) rounded to bfloat16,
+    transformers (and PEFT) by the exact value: their ratio (1.0001 for hidden 128)."""
+    import mlx.core as mx
+
+    exact = cfg["hidden_size"] ** 0.5
+    return exact / float(mx.array(exact, mx.bfloat16).astype(mx.float32))
+
+
+@dataclass(frozen=True, eq=False)
+class MlxArch:
+    mlx_model: str  # the mlx_lm.models module that runs it
+    config_fixes: tuple[ConfigFix, ...] = (rope_top_level,)
+    # How far mlx-lm's factor after the embedding lookup falls short of transformers': the exporter
+    # multiplies the embedding rows (and embedding LoRA) by it; with tied embeddings the output
+    # projection grows by it too, which the final norm takes back (its stored weight + norm_offset
+    # is what multiplies).
+    embed_factor: Callable[[dict], float] | None = None
+    norm_offset: float = 0.0
+    # mixture of experts: mlx-lm stacks a layer's experts into ``<block>.switch_mlp.<name>`` (disk projection ->
+    # name), and some models quantize modules their own way (``quant_predicate``: module path -> params)
+    switch_mlp: tuple[tuple[str, str], ...] = ()
+    quant_predicate: Callable[[str], dict | None] | None = None
+    notes: tuple[str, ...] = ()
+    # config keys the config fixes translate into fields mlx-lm reads (the audit's rules for them)
+    fixed_rules: Mapping[str, KeyRule] = field(default_factory=lambda: MappingProxyType({}))
