@@ -19,7 +19,6 @@ read sets are cached per transformers version under ``cache_dir()/config-reads``
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
 import functools
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from .config_source_scan import MISSING, config_fields, plumbing, scan_config_class, scan_module
+
 log = logging.getLogger(__name__)
 
 DERIVATION_VERSION = 2  # bump when the derivation changes: cached read sets are recomputed
@@ -43,7 +44,6 @@ TRACE_SIZES = {
     "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
     "shared_expert_intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -177,86 +177,13 @@ def derive_read_set(model_type: str) -> ReadSet | None:
             finally:
                 cls.__getattribute__ = original  # type: ignore[method-assign]
     classes = {type(m).__name__ for m in model.modules()} | {c.__name__ for c in type(model).__mro__}
-    scanned, fallbacks = _scan_module(importlib.import_module(type(model).__module__), classes)
-    config_reads = _scan_config_class(cls)
-    traced = frozenset(aliases.get(r, r) for r in reads if not _plumbing(cls, r))
-    own = frozenset(aliases.get(r, r) for r in scanned if not _plumbing(cls, r))
-    class_keys = _fields(cls) | frozenset(aliases.values())
+    scanned, fallbacks = scan_module(importlib.import_module(type(model).__module__), classes)
+    config_reads = scan_config_class(cls)
+    traced = frozenset(aliases.get(r, r) for r in reads if not plumbing(cls, r))
+    own = frozenset(aliases.get(r, r) for r in scanned if not plumbing(cls, r))
+    class_keys = config_fields(cls) | frozenset(aliases.values())
     return ReadSet(model_type, transformers_version(), traced | own, traced,
                    {k: tuple(v) for k, v in fallbacks.items()}, config_reads, class_keys, own)
-
-
-def _plumbing(cls: type, name: str) -> bool:
-    """A method or class-level table of the config class (``to_dict``, ``base_model_tp_plan``), not a key."""
-    if name.startswith("__"):
-        return True
-    fields = _fields(cls)
-    attr = inspect.getattr_static(cls, name, _MISSING)
-    if attr is _MISSING or name in fields:
-        return False
-    return callable(attr) or isinstance(attr, (dict, list, tuple, staticmethod, classmethod))
-
-
-def _is_config(node: ast.AST) -> bool:
-    if isinstance(node, ast.Name):
-        return node.id == "config" or node.id.endswith("_config")
-    if isinstance(node, ast.Attribute):
-        return node.attr == "config" or node.attr.endswith("_config")
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        return node.func.attr == "get_text_config"
-    return False
-
-
-def _getattr_site(node: ast.AST) -> tuple[str, ast.AST | None] | None:
-    """``getattr(config, "X"[, fallback])`` or ``hasattr(config, "X")``: (X, fallback or None)."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-            and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
-            and isinstance(node.args[1].value, str)):
-        fallback = node.args[2] if node.func.id == "getattr" and len(node.args) > 2 else None
-        return node.args[1].value, fallback
-    return None
-
-
-def _scan_module(module, classes: set[str]) -> tuple[set[str], dict[str, list[str]]]:
-    """Config attributes read in ``module``'s classes named ``classes`` and its module-level functions; with the
-    fallback expressions of ``getattr`` reads (``getattr(config, "head_dim", None) or hidden // heads`` -> the
-    right-hand side)."""
-    tree = ast.parse(inspect.getsource(module))
-    scopes = [n for n in tree.body if (isinstance(n, ast.ClassDef) and n.name in classes)
-              or isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    reads: set[str] = set()
-    fallbacks: dict[str, list[str]] = {}
-    for scope in scopes:
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _is_config(node.value):
-                reads.add(node.attr)
-            elif (site := _getattr_site(node)) is not None:
-                reads.add(site[0])
-                fallback = site[1]
-                if isinstance(fallback, ast.Constant) and fallback.value is None:
-                    fallback = None  # `getattr(..., None) or EXPR` is caught below
-                if fallback is not None:
-                    fallbacks.setdefault(site[0], []).append(ast.unparse(fallback))
-            elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2:
-                site = _getattr_site(node.values[0])
-                if site is not None and (site[1] is None or (isinstance(site[1], ast.Constant)
-                                                             and site[1].value is None)):
-                    fallbacks.setdefault(site[0], []).append(ast.unparse(node.values[1]))
-    return reads, {k: sorted(set(v)) for k, v in fallbacks.items()}
-
-
-def _scan_config_class(cls: type) -> frozenset[str]:
-    """``self.X`` read by the config class's own code and its transformers bases (``__post_init__``, properties,
-    RoPE standardization): keys it may derive from."""
-    reads: set[str] = set()
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("transformers."):
-            with contextlib.suppress(OSError, TypeError):
-                for node in ast.walk(ast.parse(inspect.getsource(klass).strip())):
-                    if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
-                            and isinstance(node.value, ast.Name) and node.value.id == "self"):
-                        reads.add(node.attr)
-    return frozenset(r for r in reads if not _plumbing(cls, r))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,7 +244,7 @@ def _value(config, attr: str, reads: ReadSet) -> Any:
         fallbacks = reads.fallbacks.get(attr, ())
         values = [_evaluate(f, config) for f in fallbacks]
         if not values:
-            return _MISSING
+            return MISSING
         return values[0] if all(_same(v, values[0]) for v in values) else _Unknown(" / ".join(fallbacks))
     return value
 
@@ -326,7 +253,7 @@ def _plain(value: Any) -> bool:
     """Data a config holds (what a JSON file can say, and torch dtypes), not a helper object it keeps."""
     import torch
 
-    return value is None or value is _MISSING or isinstance(value, (bool, int, float, str, list, tuple, dict,
+    return value is None or value is MISSING or isinstance(value, (bool, int, float, str, list, tuple, dict,
                                                                      torch.dtype, _Unknown))
 
 
@@ -394,27 +321,20 @@ def _judge(_digest: str, text: str) -> ConfigJudgement:
         except Exception:  # noqa: BLE001 - transformers cannot build the config without it: it is read
             verdicts[k] = KeyVerdict(k, value, "read", ((attr, value, "(the config does not build)"),))
             continue
-        differs = tuple(sorted(((a, with_all[a], without.get(a, _MISSING)) for a in with_all
-                                if not _same(with_all[a], without.get(a, _MISSING))), key=lambda d: d[0] != attr))
+        differs = tuple(sorted(((a, with_all[a], without.get(a, MISSING)) for a in with_all
+                                if not _same(with_all[a], without.get(a, MISSING))), key=lambda d: d[0] != attr))
         if differs:
             verdicts[k] = KeyVerdict(k, value, "read", differs)
         else:
-            known = (attr in reads.attributes or attr in reads.config_reads or attr in _fields(type(full))
-                     or inspect.getattr_static(type(full), attr, _MISSING) is not _MISSING
+            known = (attr in reads.attributes or attr in reads.config_reads or attr in config_fields(type(full))
+                     or inspect.getattr_static(type(full), attr, MISSING) is not MISSING
                      or attr not in vars(full))  # consumed by the config class (rope_theta into rope_parameters)
             verdicts[k] = KeyVerdict(k, value, "redundant" if known else "inert")
     return ConfigJudgement(model_type, verdicts, reads)
 
 
-def _fields(cls: type) -> frozenset[str]:
-    """The config class's keys (its dataclass fields, class variables left out)."""
-    import dataclasses
-
-    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
-
-
 def _short(value: Any) -> str:
-    if value is _MISSING:
+    if value is MISSING:
         return "none"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

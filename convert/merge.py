@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapter import Adapter, quantized_base_note
+from .adapter import Adapter
+from .adapter_config import quantized_base_note
 from .checkpoint import Checkpoint
 from .errors import UserError
 from .options import check_choice

@@ -45,7 +45,7 @@ TARGET_OPTIONS: dict[str, tuple[str, object]] = {
 
 def unquantized(ckpt: Checkpoint) -> None:
     if ckpt.quantization:
-        from .adapter import unquantized_name
+        from .adapter_config import unquantized_name
 
         method = ckpt.quantization.get("quant_method", "an unknown method")
         plain = unquantized_name(ckpt.spec.rstrip("/")) or unquantized_name(str(ckpt.config.get("_name_or_path")))

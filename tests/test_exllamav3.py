@@ -76,7 +76,7 @@ def test_in_process_exllamav3_refuses_to_start_without_cuda(exl3_model, zoo, cli
 def test_adapter_turns_group_requests_by_adapter_set():
     """exllamav3 applies every registered LoRA to every token: one adapter set runs at a time. The oldest waiting
     request's set goes next; its newcomers join only while no other set waits; the batch limit holds."""
-    from tuneport.serve.engines.exllamav3 import AdapterTurns, Waiting, adapter_set
+    from tuneport.serve.engines.exllamav3_schedule import AdapterTurns, Waiting, adapter_set
 
     a, b, base = adapter_set({"a": 1.0}), adapter_set({"b": 1.0}), adapter_set({})
     assert adapter_set({"b": 0.5, "a": 1.0}) == (("a", 1.0), ("b", 0.5)) and base == ()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tuneport.convert.adapter import config_refusals, unquantized_name
+from tuneport.convert.adapter_config import config_refusals, unquantized_name
 from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
 
 REAL = Path(__file__).parent / "real" / "tools"

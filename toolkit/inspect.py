@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tuneport.convert.adapter import Adapter, config_refusals, load_adapter, read_adapter_config, unquantized_name
+from tuneport.convert.adapter import Adapter, load_adapter
+from tuneport.convert.adapter_config import config_refusals, read_adapter_config, unquantized_name
 from tuneport.convert.arch import ARCHS, ArchSpec, known_arch
 from tuneport.convert.checkpoint import Checkpoint, user_path
 from tuneport.convert.errors import UserError

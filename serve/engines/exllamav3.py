@@ -23,127 +23,19 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.exl3.tabby import round_cache
 
 from .base import AdapterEngine, Done, Event, EventStream, GenerationRequest, Sequence
+from .exllamav3_fast_paths import FastPaths
+from .exllamav3_schedule import AdapterSet, AdapterTurns, adapter_set
 
 log = logging.getLogger("tuneport.serve.exllamav3")
-AdapterSet = tuple[tuple[str, float], ...]  # (name, scale) sorted by name; () is the base
-
-
-def adapter_set(adapters: dict[str, float]) -> AdapterSet:
-    return tuple(sorted(adapters.items()))
-
-
-@dataclass(eq=False)
-class Waiting:
-    """What :class:`AdapterTurns` schedules: anything with the adapter set it needs."""
-
-    key: Hashable
-
-
-@dataclass
-class AdapterTurns:
-    """Which waiting requests join the generator, one adapter set at a time (pure bookkeeping, no engine).
-
-    ``admit(running)`` with ``running`` sequences in the generator: when it is idle, the oldest waiting request's
-    set takes the turn and all its waiting requests join (up to ``max_batch``); while a turn runs, more requests of
-    its set join only as long as no other set waits (else the batch drains, then that set goes next)."""
-
-    max_batch: int
-    pending: list = field(default_factory=list)
-    current: Hashable | None = None
-    switches: int = 0
-
-    def add(self, item) -> None:
-        self.pending.append(item)
-
-    def admit(self, running: int) -> tuple[Hashable | None, list]:
-        if running == 0:
-            if not self.pending:
-                return self.current, []
-            key = self.pending[0].key
-        else:
-            key = self.current
-            if any(p.key != key for p in self.pending):
-                return key, []
-        take = [p for p in self.pending if p.key == key][: max(0, self.max_batch - running)]
-        if take:
-            chosen = set(map(id, take))
-            self.pending = [p for p in self.pending if id(p) not in chosen]
-            self.switches += key != self.current
-            self.current = key
-        return key, take
-
-
-class FastPaths:
-    """exllamav3's fused decode paths that skip ``Linear.forward`` (and so LoRA), found on the loaded model:
-    ``off()`` while adapters are registered, ``on()`` again for the base.
-
-    What exllamav3 1.4 (``modules/attn.py``, ``sliding_attn.py``, ``mlp.py``) has, each optional and checked at
-    every forward (so setting it to None takes the per-``Linear`` path): ``multi_kv`` / ``multi_qg`` (paired
-    projections as one mgemm for up to 32 rows, prefill included), ``multi_qkv`` (a later sliced Q/K/V bundle,
-    when present), ``GatedMLP.multi_gu`` (a list per slice), ``MLP.bc`` / ``GatedMLP.bc`` (graphed MLPs), and the
-    graph-captured decode attention, gated by the module global ``_bc_attn_enable`` that ``attn.py`` and
-    ``sliding_attn.py`` each import from ``attention_fn/bc_attn.py`` and read at every decode step."""
-
-    ATTRS = ("multi_kv", "multi_qg", "multi_qkv")
-    BC_CLASSES = ("MLP", "GatedMLP")
-    FLAG_MODULES = ("exllamav3.modules.attn", "exllamav3.modules.sliding_attn")
-    FLAG = "_bc_attn_enable"
-
-    def __init__(self, model) -> None:
-        import importlib
-
-        self.flags: list[tuple[object, object]] = []  # (module with FLAG, its value at load)
-        for name in self.FLAG_MODULES:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(mod, self.FLAG):
-                self.flags.append((mod, getattr(mod, self.FLAG)))
-        self.saved: list[tuple[object, str, object]] = []
-        for m in model:
-            for attr in self.ATTRS:
-                if getattr(m, attr, None) is not None:
-                    self.saved.append((m, attr, getattr(m, attr)))
-            if isinstance(getattr(m, "multi_gu", None), list) and any(x is not None for x in m.multi_gu):
-                self.saved.append((m, "multi_gu", list(m.multi_gu)))
-            if type(m).__name__ in self.BC_CLASSES and getattr(m, "bc", None) is not None:
-                self.saved.append((m, "bc", m.bc))
-        if not self.flags:
-            log.warning("exllamav3 has no %s flag in %s: its graph-captured decode attention, if any, cannot be "
-                        "switched off and may skip adapters (check with benchmarks/gpu/exllamav3_adapters.py)",
-                        self.FLAG, " or ".join(self.FLAG_MODULES))
-        self.enabled = True
-
-    def off(self) -> None:
-        if self.enabled:
-            for m, attr, value in self.saved:
-                setattr(m, attr, [None] * len(value) if isinstance(value, list) else None)
-            for mod, _ in self.flags:
-                setattr(mod, self.FLAG, False)
-            self.enabled = False
-
-    def on(self) -> None:
-        if not self.enabled:
-            for m, attr, value in self.saved:
-                setattr(m, attr, list(value) if isinstance(value, list) else value)
-            for mod, value in self.flags:
-                setattr(mod, self.FLAG, value)
-            self.enabled = True
-
-    def describe(self) -> dict:
-        return {"switched": len(self.saved), "attention_graph_flags": len(self.flags)}
-
-
 @dataclass(eq=False)
 class _Seq(Sequence):
     key: AdapterSet = ()
