@@ -614,6 +614,7 @@ def stand_in_converter(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
+@pytest.mark.slow  # ~20 s: the stand-in converter encodes every linear twice (the crash, then the resume)
 def test_export_exl3_end_to_end_resumes_and_checks_every_layer(zoo, tmp_path, cli, stand_in_converter,
                                                                monkeypatch):
     out, work = tmp_path / "out", tmp_path / "out.exl3-work"

