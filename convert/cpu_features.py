@@ -57,6 +57,10 @@ def _moe_problem(config: dict, flags: frozenset[str]) -> str | None:
     if missing := [f for f in W4A16_MOE_CPU_FLAGS if f not in flags]:
         return (f"this CPU lacks {', '.join(missing)}: vLLM's CPU kernel for 4-bit mixture-of-experts layers runs "
                 "on AMX tiles (Intel Sapphire Rapids or later)")
+    if arch.awq is not None and arch.awq.moe_shared:
+        return (f"vLLM's CPU kernel for 4-bit mixture-of-experts layers has not been measured beside "
+                f"{arch.model_type}'s shared expert (no AMX machine yet), so tuneport does not claim it: serve it on "
+                "a GPU")
     return None
 
 

@@ -397,7 +397,7 @@ def test_adapter_served_over_the_awq_base(trained_awq, tmp_path, capsys):
 def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     """Every scale AWQ folds (norm -> q/k/v and gate/up, Gemma's 1 + w norms, v -> o and up -> down, into the rows
     of phi3's fused qkv_proj and gate_up_proj; qwen2's v bias too; a mixture's router, experts' gate/up and each
-    expert's up -> down) keeps the fp32 block's output."""
+    expert's up -> down; Qwen2-MoE's shared expert under the experts' scale) keeps the fp32 block's output."""
     import copy
 
     from tuneport.convert.awq.core import BlockResult, fold_scales
@@ -415,13 +415,13 @@ def test_folded_scales_leave_the_float_block_unchanged(tmp_path, arch):
     scheme = QuantScheme(group_size=32)
     quantized = {block.prefix + n for g in spec.groups for n in g.linears}
     result = BlockResult({})
-    fold_scales(block, spec, scheme, quantized, result)
+    inputs = fold_scales(block, spec, scheme, quantized, result)
     assert len(result.groups) == sum(g.prev is not None for g in spec.groups)
     if spec.moe_norm:  # the experts' shared gate/up scale (norm and router too) and each expert's down scale
         from tuneport.convert.awq.core import fold_expert_scales
         from tuneport.convert.calibration.hooks import expert_modules
 
-        fold_expert_scales(block, spec, scheme, set(expert_modules(block).values()), result)
+        fold_expert_scales(block, spec, scheme, set(expert_modules(block).values()) | quantized, result, inputs)
         n_experts = block.module.mlp.experts.gate_up_proj.shape[0]
         assert len(result.groups) == sum(g.prev is not None for g in spec.groups) + 1 + n_experts
     assert any(g["alpha"] > 0 for g in result.groups)

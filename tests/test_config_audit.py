@@ -102,6 +102,13 @@ CASES = [
     Case("qwen3_moe", "norm_topk_prob", {"norm_topk_prob": False}, "refused: renormalizes"),
     Case("qwen3_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "refused: every Qwen3-MoE layer"),
     Case("qwen3_moe", "mlp_only_layers", {"mlp_only_layers": [1]}, "refused: every Qwen3-MoE layer"),
+    Case("qwen2_moe", "qkv_bias", {"qkv_bias": False}, "parity"),  # llama.cpp's q/k/v biases are optional
+    Case("qwen2_moe", "moe_intermediate_size", {"moe_intermediate_size": 96}, "parity"),
+    Case("qwen2_moe", "shared_expert_intermediate_size", {"shared_expert_intermediate_size": 96}, "parity"),
+    Case("qwen2_moe", "norm_topk_prob", {"norm_topk_prob": True}, "refused: does not renormalize"),
+    Case("qwen2_moe", "decoder_sparse_step", {"decoder_sparse_step": 2}, "refused: every Qwen2-MoE layer"),
+    Case("qwen2_moe", "mlp_only_layers", {"mlp_only_layers": [1]}, "refused: every Qwen2-MoE layer"),
+    Case("qwen2_moe", "tie_word_embeddings", {"tie_word_embeddings": True}, "refused: its own output tensor"),
     # a key the file leaves out is what transformers' default makes it, not what the engine assumes
     Case("qwen3_moe", "norm_topk_prob absent", {}, "refused: renormalizes", config_patch={"norm_topk_prob": None}),
     Case("gemma3_text", "query_pre_attn_scalar absent", {}, "parity", config_patch={"query_pre_attn_scalar": None}),

@@ -43,6 +43,8 @@ KNOWN = [
     ("gemma2", {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                 "hidden_activation"}, {"hidden_act"}),
     ("qwen3_moe", {"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size"}, set()),
+    ("qwen2_moe", {"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
+                   "shared_expert_intermediate_size", "qkv_bias"}, {"attention_bias"}),
     ("granite", {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"}, set()),
 ]
 

@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 import torch
+from test_merge_equivalence import moe_cases
 
 from tuneport.convert.arch import known_arch
 from tuneport.convert.gguf.quant_types import QUANT_TYPES
 from tuneport.convert.support_matrix import supported
 from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
-from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 
 pytestmark = pytest.mark.llamacpp
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
@@ -78,8 +78,7 @@ def test_every_architecture_lora_matches_peft(zoo, tmp_path, cli, arch):
 MOE = [a for a in supported("gguf") if (spec := known_arch(a)) is not None and spec.experts is not None]
 
 
-@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch,variant", moe_cases(MOE))
 def test_expert_lora_matches_peft_and_merge(zoo, tmp_path, cli, arch, variant):
     """LoRA on the experts (fused target_parameters, or transformers 4's per-expert modules) as a GGUF LoRA on
     llama.cpp's stacked expert tensors (applied through mul_mat_id), and merged: both = PEFT."""

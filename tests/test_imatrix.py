@@ -19,11 +19,15 @@ import pytest
 import torch
 from conftest import run_cli
 
+from tuneport.convert.arch import ARCHS as ARCH_TABLE
 from tuneport.convert.gguf.imatrix import IMatrix, compute_imatrix, read_imatrix, write_imatrix
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQLEN = 128  # calibration / evaluation chunk length in the slow tests
 LLAMA_TOOLS = "llama-tools-0.3.36"
+
+# the mixtures of experts the importance matrix covers (AWQ's calibration table), from the architecture table
+MOE = [a for a, spec in ARCH_TABLE.items() if spec.experts is not None and spec.awq is not None]
 
 
 def export(cli, *args) -> dict:
@@ -205,7 +209,7 @@ def test_export_with_calib_file(zoo, tmp_path, cli):
     assert "IQ3_XXS" in types
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", MOE)
 def test_export_with_calib_on_mixture_of_experts(zoo, tmp_path, cli, arch):
     """--calib-samples on a mixture of experts: imatrix.gguf holds the router and one row per expert of each stacked
     projection (counts summing to top-k x tokens), and the IQ3_XXS file is written with it."""
@@ -481,7 +485,7 @@ def test_agrees_with_llama_imatrix(trained, llama_tools, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", MOE)
 def test_mixture_of_experts_agrees_with_llama_imatrix(zoo, llama_tools, tmp_path, arch, capsys):
     """A mixture of experts: llama-imatrix on tuneport's F32 GGUF over the same tokens (llama.cpp's tokenization,
     a BOS opening each chunk where the vocabulary adds one, as llama-imatrix does) counts the same tokens per

@@ -31,8 +31,22 @@ def test_every_architecture_merges_like_peft(zoo, tmp_path, ids, arch):
 MOE = [a for a in supported("merge") if (spec := known_arch(a)) is not None and spec.experts is not None]
 
 
-@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
-@pytest.mark.parametrize("arch", MOE)
+# PEFT 0.21 loads a transformers 4 per-expert adapter over transformers 5's fused experts by mapping its
+# target_modules (gate_proj, up_proj, down_proj) onto them, but on Qwen2-MoE those names also match the shared
+# expert's plain linears: it attaches LoRA there and silently drops every expert's weights (measured: logits 3.6
+# apart from tuneport's merge, which applies them as transformers 4 trained them; the shared expert's and q_proj's
+# LoRA alone agree to 3e-6). No reference to compare with.
+MOE_UNREFERENCED = {("qwen2_moe", "per_expert"): "PEFT 0.21 drops a per-expert adapter's expert weights on Qwen2-MoE "
+                    "(its target names match the shared expert first)"}
+
+
+def moe_cases(archs: list[str], variants=tuple(MOE_VARIANTS)) -> list:
+    """(arch, variant) for mixture-of-experts adapter variants, skipped where PEFT gives no reference."""
+    return [pytest.param(a, v, marks=pytest.mark.skip(reason=MOE_UNREFERENCED[a, v])) if (a, v) in MOE_UNREFERENCED
+            else (a, v) for a in archs for v in variants]
+
+
+@pytest.mark.parametrize("arch,variant", moe_cases(MOE))
 def test_expert_lora_merges_exactly(zoo, tmp_path, ids, arch, variant):
     """LoRA on the experts, as PEFT trains it over transformers 5's fused parameters (target_parameters) and as
     transformers 4 trained it (one module per expert, which PEFT converts on load): merged = PEFT, merged or not."""

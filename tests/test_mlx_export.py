@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_merge_equivalence import moe_cases
 
 from tuneport.convert.arch import known_arch
 from tuneport.convert.support_matrix import supported
@@ -189,8 +190,7 @@ def test_every_lora_variant_as_mlx_adapter_equals_peft(cli, bases, adapters, tmp
 MOE = [a for a in supported("mlx") if (spec := known_arch(a)) is not None and spec.experts is not None]
 
 
-@pytest.mark.parametrize("variant", ["experts", "experts_patterns", "per_expert", "all_linear"])
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch,variant", moe_cases(MOE, ("experts", "experts_patterns", "per_expert", "all_linear")))
 def test_expert_lora_as_mlx_adapter_equals_peft(cli, zoo, tmp_path, arch, variant):
     """LoRA on the experts (fused target_parameters, transformers 4's per-expert modules, or all linears with the
     router) as mlx-lm's LoRASwitchLinear on the stacked switch_mlp: unmerged and merged = PEFT."""

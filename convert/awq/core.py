@@ -74,13 +74,14 @@ def _expert_weights(experts: torch.nn.Module, layout, e: int) -> dict[str, torch
 
 
 @torch.no_grad()
-def fold_expert_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set[str],
-                       result: BlockResult) -> dict[tuple[int, str], torch.Tensor]:
+def fold_expert_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantized: set[str], result: BlockResult,
+                       dense_inputs: dict[str, torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
     """A mixture-of-experts block: one scale for the input the router and every expert's gate/up share (folded
-    into ``arch.moe_norm``, the router's columns multiplied by it so that routing is unchanged), searched on each
-    expert's own tokens; then each expert's down_proj scale, folded into its up rows. Returns each expert
-    projection's sampled input as the scaled block sees it. An expert no calibration token reached keeps
-    scale 1 for its down_proj (and no clipping)."""
+    into ``arch.moe_norm``, the router's columns multiplied by it so that routing is unchanged, and those of
+    ``arch.moe_shared``, the shared expert's linears, whose ``dense_inputs`` are divided by it), searched on each
+    expert's own tokens (the shared expert's: every token); then each expert's down_proj scale, folded into its
+    up rows. Returns each expert projection's sampled input as the scaled block sees it. An expert no calibration
+    token reached keeps scale 1 for its down_proj (and no clipping)."""
     layout, layer = block.experts, block.module
     experts = layer.get_submodule(f"{layout.memory_block}.experts")
     router = layer.get_submodule(f"{layout.memory_block}.{layout.router}")
@@ -90,11 +91,19 @@ def fold_expert_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantiz
     inputs: dict[tuple[int, str], torch.Tensor] = {}
     if reached and all(names[e, p] in quantized for e in reached for p in (layout.gate, layout.up)):
         xs = [block.stats[f"experts.{e}"].sample() for e in reached]
-        found = search_scale(xs, block.stats["experts"].mean_abs, [experts.gate_up_proj[e] for e in reached], scheme)
+        shared = [n for n in arch.moe_shared if block.prefix + n in quantized and n in dense_inputs]
+        found = search_scale(xs + [dense_inputs[n] for n in shared], block.stats["experts"].mean_abs,
+                             [experts.gate_up_proj[e] for e in reached] + [layer.get_submodule(n).weight
+                                                                          for n in shared], scheme)
         s = found.scale
         layer.get_submodule(arch.moe_norm).weight.div_(s)
         router.weight.mul_(s.view(1, -1))
         experts.gate_up_proj.mul_(s.view(1, 1, -1))
+        for name in arch.moe_shared:
+            layer.get_submodule(name).weight.mul_(s.view(1, -1))
+            result.scales.setdefault(block.prefix + name, {})["input_scale"] = s.clone()
+            if name in dense_inputs:
+                dense_inputs[name] = dense_inputs[name] / s
         for e, x in zip(reached, xs, strict=True):
             inputs[e, layout.gate] = inputs[e, layout.up] = x / s
         result.groups.append({"group": (f"{layout.memory_block}.experts.*.gate_up",), "alpha": found.alpha,
@@ -116,11 +125,12 @@ def fold_expert_scales(block: Block, arch: AWQArch, scheme: QuantScheme, quantiz
 
 @torch.no_grad()
 def _quantize_experts(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFormat, quantized: set[str],
-                      out_dtype: torch.dtype, awq: bool, result: BlockResult) -> None:
+                      out_dtype: torch.dtype, awq: bool, result: BlockResult,
+                      dense_inputs: dict[str, torch.Tensor]) -> None:
     """Each expert's projections written under the checkpoint's per-expert names (4-bit where ``quantized``),
     the router under its disk name, 16-bit."""
     layout, layer = block.experts, block.module
-    inputs = fold_expert_scales(block, arch, scheme, quantized, result) if awq else {}
+    inputs = fold_expert_scales(block, arch, scheme, quantized, result, dense_inputs) if awq else {}
     experts = layer.get_submodule(f"{layout.memory_block}.experts")
     for (e, proj), name in expert_modules(block).items():
         w = _expert_weights(experts, layout, e)[proj]
@@ -144,7 +154,7 @@ def quantize_block(block: Block, arch: AWQArch, scheme: QuantScheme, fmt: AWQFor
     inputs = fold_scales(block, arch, scheme, quantized, result) if awq else {}
     moe: str | None = None
     if arch.moe_norm is not None and block.experts is not None:
-        _quantize_experts(block, arch, scheme, fmt, quantized, out_dtype, awq, result)
+        _quantize_experts(block, arch, scheme, fmt, quantized, out_dtype, awq, result, inputs)
         moe = f"{block.experts.memory_block}."  # its tensors are written above, under their disk names
     for name in arch.linears:
         full = block.prefix + name

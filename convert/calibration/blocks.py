@@ -181,6 +181,8 @@ class BlockPass:
         def hook(name: str):
             def pre(_mod, args):
                 x = args[0]
+                if x.dim() == 2:  # inside a mixture-of-experts block (Qwen2-MoE's shared expert): tokens flattened
+                    x = x.view(len(current), -1, x.shape[-1])
                 st = stats.get(name)
                 if st is None:
                     width = x.shape[-1]

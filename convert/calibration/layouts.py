@@ -41,6 +41,9 @@ class AWQArch:
     # config values (transformers' defaults where absent) that keep every layer of a mixture sparse: another value
     # puts dense MLP layers among the sparse ones, which one table entry per architecture cannot describe
     sparse_layers: tuple[tuple[str, Any], ...] = ()
+    # linears besides the router and the experts that read ``moe_norm``'s output (Qwen2-MoE's shared expert and its
+    # gate): their columns take the experts' scale
+    moe_shared: tuple[str, ...] = ()
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -61,7 +64,8 @@ LLAMA_GROUPS = (
 
 # vLLM runs these linears as one fused module (names inside a block): quantized all together or not at all.
 FUSED_SETS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+              "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")}
 
 
 GEMMA_GROUPS = (

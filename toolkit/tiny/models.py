@@ -54,6 +54,11 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("use_sliding_window", False), ("head_dim", 32), ("num_experts", 4), ("num_experts_per_tok", 2),
         ("moe_intermediate_size", 64), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
         ("mlp_only_layers", []))),
+    # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
+    "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
+        ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
+        ("shared_expert_intermediate_size", 256), ("norm_topk_prob", False), ("decoder_sparse_step", 1),
+        ("mlp_only_layers", []))),
 }
 
 # Head dim 32: the smallest the vLLM CPU attention backend accepts.
