@@ -4,16 +4,9 @@ sliding layers, norms stored as w - 1."""
 from ..calibration.layouts import GEMMA_GROUPS, AWQArch, gemma_embed_scale
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import COMMON_HPARAMS, SLIDING, GGUFArch
-from ..gguf.config_rules import COMMON
+from ..gguf.config_rules import COMMON, gemma_rules
 from ..mlx.arch_facts import MlxArch, gemma3_rope_and_windows, gemma_embed_factor
 from .spec import ArchSpec
-
-
-def _every_6th_global(value, cfg: dict) -> str | None:
-    want = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(len(value))]
-    return None if list(value) == want else ("llama.cpp makes every 6th layer global (set_swa_pattern(6)); "
-                                             f"this model's layer_types differ: {value}")
-
 
 ARCH = ArchSpec(
     "gemma3_text",
@@ -22,14 +15,9 @@ ARCH = ArchSpec(
     rope_style="neox",
     notes=("norm weights stored as w - 1", "embeddings scaled by sqrt(hidden)", "sliding-window layers"),
     gguf=GGUFArch(COMMON_HPARAMS + SLIDING, {
-        **COMMON,
-        "hidden_act": KeyRule("inert", "Gemma 3 reads hidden_activation"),
-        "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
-            "gelu_pytorch_tanh", why="llama.cpp's Gemma 3 graph uses tanh-GELU")),
+        **COMMON, **gemma_rules(3, global_every=6),
         "query_pre_attn_scalar": KeyRule("folded", "attn_q_norm multiplied by sqrt(d / query_pre_attn_scalar), "
                                          "d the size llama.cpp scales queries by"),
-        "sliding_window": KeyRule("carried", "attention.sliding_window"),
-        "layer_types": KeyRule("refused unless", "every 6th layer global", _every_6th_global),
         "_sliding_window_pattern": KeyRule("inert", "layer_types is what counts"),
         # transformers 4's layout of the same settings
         "sliding_window_pattern": KeyRule("refused unless", "6", must_be(
@@ -38,10 +26,6 @@ ARCH = ArchSpec(
         "final_logit_softcapping": KeyRule("carried", "final_logit_softcapping"),
         "attn_logit_softcapping": KeyRule("refused unless", "none", must_be(
             None, why="llama.cpp's Gemma 3 graph does not soft-cap attention logits")),
-        "use_bidirectional_attention": KeyRule("refused unless", "false", must_be(
-            False, None, why="llama.cpp runs Gemma 3 causally")),
-        "attention_bias": KeyRule("refused unless", "false", must_be(
-            False, why="llama.cpp's Gemma 3 graph has no attention biases")),
     }, norm_offset=1.0, write_freq_base_swa=True, softcap=True, query_fold="q_norm",
         hidden_scaled_queries_at_layers=62),
     mlx=MlxArch("gemma3_text", (gemma3_rope_and_windows,), embed_factor=gemma_embed_factor, norm_offset=1.0,

@@ -34,6 +34,34 @@ def rope_check(*types: str):
     return check
 
 
+def layer_pattern(key: str, want, rule: str):
+    """A check that the per-layer list ``key`` follows the fixed pattern llama.cpp assumes (element i is
+    ``want(i)``), which no GGUF key can change: ``rule`` says what llama.cpp does."""
+    def check(value, cfg: dict) -> str | None:
+        return None if list(value) == [want(i) for i in range(len(value))] else (
+            f"{rule}; this model's {key} differ: {value}")
+    return check
+
+
+def gemma_rules(version: int, global_every: int) -> dict[str, KeyRule]:
+    """What Gemma 2 and 3 share in llama.cpp: tanh-GELU (read from hidden_activation), a sliding window with every
+    ``global_every``-th layer global, causal attention without biases."""
+    name, nth = f"Gemma {version}", f"{global_every}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(global_every, 'th')}"
+    return {
+        "hidden_act": KeyRule("inert", f"{name} reads hidden_activation"),
+        "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
+            "gelu_pytorch_tanh", why=f"llama.cpp's {name} graph uses tanh-GELU")),
+        "sliding_window": KeyRule("carried", "attention.sliding_window"),
+        "layer_types": KeyRule("refused unless", f"every {nth} layer global", layer_pattern(
+            "layer_types", lambda i: "full_attention" if (i + 1) % global_every == 0 else "sliding_attention",
+            f"llama.cpp makes every {nth} layer global (set_swa_pattern({global_every}))")),
+        "use_bidirectional_attention": KeyRule("refused unless", "false", must_be(
+            False, None, why=f"llama.cpp runs {name} causally")),
+        "attention_bias": KeyRule("refused unless", "false", must_be(
+            False, why=f"llama.cpp's {name} graph has no attention biases")),
+    }
+
+
 def window_active(cfg: dict) -> bool:
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") is False:
