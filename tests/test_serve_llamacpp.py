@@ -293,15 +293,17 @@ def test_hub_id_base_and_adapter_serve_under_their_names(hub):
         assert ask_tokens(httpx.Client(base_url=server.url), "tiny-llama", [1, 50, 60], 2)[0] == 200
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch, arch):
     """An HF mixture-of-experts base (F32) and PEFT adapters converted on load: attention-only, LoRA on the fused
-    experts (target_parameters) and transformers 4's per-expert LoRA, mixed with base traffic at concurrency 4
+    experts (target_parameters) and transformers 4's per-expert LoRA (Qwen2-MoE: all linears, shared expert
+    included, since PEFT gives no reference for its per-expert adapters), mixed with base traffic at concurrency 4
     through the gateway: every answer is PEFT's (transformers') greedy tokens."""
     monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
     base = zoo.base(arch)
+    third = "all_linear" if arch == "qwen2_moe" else "per_expert"
     adapters = {"attention": zoo.adapter(arch, "plain"), "experts": zoo.adapter(arch, "experts"),
-                "per_expert": zoo.adapter(arch, "per_expert")}
+                third: zoo.adapter(arch, third)}
     from tuneport.toolkit.fidelity import load_hf
 
     want = {None: [greedy(load_hf(base), p, N) for p in PROMPTS]}

@@ -364,7 +364,7 @@ def test_a_dora_adapter_leaves_other_rows_of_a_biased_linear_untouched():
 
 
 @pytest.mark.parametrize("quant", [None, "q4"])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_expert_lora_batched_over_stacked_experts_matches_mlx_lm(zoo, tmp_path, arch, quant):
     """A mixture-of-experts base (stacked switch_mlp, quantized too) with LoRA on the experts, on the router and
     attention: base and three adapters in one batch, every answer equal to mlx-lm's own LoRASwitchLinear with
