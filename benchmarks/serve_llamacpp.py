@@ -148,14 +148,16 @@ def start_llama_server(binary: Path, model: Path, loras: list[Path], threads: in
     return server
 
 
-def start_tuneport(model: Path, loras: list[Path], port: int, contexts: int | None = None) -> Server:
+def start_tuneport(model: Path, loras: list[Path], port: int, contexts: int | None = None,
+                   fallback: bool = False) -> Server:
     names = [p.stem.replace("-F32", "") for p in loras]
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
                              *sum((["--adapter", f"{n}={p}"] for n, p in zip(names, loras, strict=True)), []),
                              "--max-adapters", str(len(loras)), "--port", str(port), "--n-ctx", str(N_CTX),
                              "--gpu-layers", GPU_LAYERS["gpu_layers"],
                              *(["--contexts", str(contexts)] if contexts else [])],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TUNEPORT_LLAMACPP_BATCH_ADAPTERS": "0"} if fallback else None)
     label = "tuneport serve" if contexts is None else f"tuneport serve, {contexts} context(s)"
     server = Server(label, f"http://127.0.0.1:{port}", proc, "/v1/completions", names, model.stem)
     wait_http(server.url, proc)
@@ -236,6 +238,8 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
     servers.append(("tuneport serve", lambda: start_tuneport(model, loras, 18082)))
     if args.compare_contexts:  # one context for every adapter set against one per adapter set
         servers.append(("tuneport serve, 8 contexts", lambda: start_tuneport(model, loras, 18083, contexts=8)))
+    if args.compare_fallback:  # per-sequence LoRA against the scheduler a stock llama-cpp-python gets
+        servers.append(("tuneport serve, fallback", lambda: start_tuneport(model, loras, 18084, fallback=True)))
     for label, start in servers:
         server = start()
         try:
@@ -267,8 +271,14 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
               f"{results[('tuneport serve, 8 contexts', conc, mix)][0]:.1f}"]
              for conc in args.concurrency for mix in ("base only", "1 adapter", "8 adapters", "32 adapters")] \
         if args.compare_contexts else []
+    fallback = []
+    for conc in args.concurrency if args.compare_fallback else ():
+        for mix in ("base only", "1 adapter", "8 adapters", "32 adapters"):
+            ours = results[("tuneport serve", conc, mix)][0]
+            theirs = results[("tuneport serve, fallback", conc, mix)][0]
+            fallback.append(["fallback", key, str(conc), mix, f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"])
     size = f"{model.stat().st_size / 2**20:.0f} MiB {shape.quant.upper()}, 32 LoRAs r={R} on q/k/v/o, {n} requests"
-    return rows, ttft_rows, loops + [["llama-server base", *r] for r in base_rows], size
+    return rows, ttft_rows, loops + [["llama-server base", *r] for r in base_rows] + fallback, size
 
 
 def main() -> None:
@@ -280,6 +290,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--llama-server", type=Path, help="llama-server binary for the side-by-side comparison")
     ap.add_argument("--compare-contexts", action="store_true", help="also run tuneport serve --contexts 8")
+    ap.add_argument("--compare-fallback", action="store_true",
+                    help="also run tuneport serve with one adapter set per decode (a stock llama-cpp-python's path)")
     ap.add_argument("--gpu-layers", default="0", help="both servers: 'all' (llama-server -ngl 999) or a count")
     ap.add_argument("--json-out", type=Path, help="also write the tables as JSON here")
     args = ap.parse_args()
@@ -308,10 +320,15 @@ def main() -> None:
                            "vs own base-only", "tuneport p99/p50", "llama-server p99/p50"]))
     print("\ntime to first token, 512-token shared system prompt (s):\n")
     print(table(all_ttft, ["model", "server", "traffic", "first (miss)", "next (hit)", "hit/miss"]))
-    loops = [r for r in all_loops if r[0] != "llama-server base"]
+    loops = [r for r in all_loops if r[0] not in ("llama-server base", "fallback")]
     if loops:
         print("\none context for every adapter set (the default) against up to 8 (one per adapter set), tokens/s:\n")
         print(table(loops, ["model", "conc", "traffic", "--contexts 1", "--contexts 8"]))
+    fallback = [r[1:] for r in all_loops if r[0] == "fallback"]
+    if fallback:
+        print("\nper-sequence LoRA (every adapter set in one batch) against the fallback (one set per decode), "
+              "tokens/s:\n")
+        print(table(fallback, ["model", "conc", "traffic", "per-sequence", "fallback", "ratio"]))
     base = [r[1:] for r in all_loops if r[0] == "llama-server base"]
     if base:
         print("\nllama-server base-only tokens/s: no LoRA loaded (the baseline above) against 32 loaded, lora: []\n")

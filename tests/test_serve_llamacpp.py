@@ -43,15 +43,19 @@ def bundle(zoo, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("contexts", [1, 2])
-def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, contexts):
-    """Four adapter sets from four threads: one context interleaves them step by step; two contexts each take
-    adapter sets of their own (the second created when the traffic first mixes)."""
+@pytest.mark.parametrize("contexts,batched", [(1, True), (1, False), (2, False)],
+                         ids=["per-sequence", "fallback-1-context", "fallback-2-contexts"])
+def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, contexts, batched):
+    """Four adapter sets from four threads: with tuneport's llama.cpp every set in one decode batch (per-sequence
+    LoRA); in the fallback a stock llama-cpp-python takes (forced here), one context interleaves them step by step
+    and two contexts each take adapter sets of their own (the second created when the traffic first mixes)."""
     model = bundle / "llama-fp32-F32.gguf"
-    engine = LlamaCppEngine(model, n_ctx=64, n_contexts=contexts, kv_f32=True)
+    engine = LlamaCppEngine(model, n_ctx=64, n_contexts=contexts, kv_f32=True, batch_adapter_sets=batched)
     try:
         for v in ADAPTERS:
             engine.load_adapter(v, bundle / "adapters" / f"{v}-F32.gguf")
+        if batched and engine.seq_lora is None:
+            pytest.skip("a stock llama-cpp-python: no per-sequence LoRA (its fallback is the other cases)")
         choices = [None, *ADAPTERS]
         want = {(c, i): fresh_greedy(model, bundle / "adapters" / f"{c}-F32.gguf" if c else None, p, N)
                 for c in choices for i, p in enumerate(PROMPTS)}
@@ -78,7 +82,10 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, c
         assert not wrong, [(jobs[k], got[k], want[jobs[k]]) for k in wrong[:2]]
         # adapter sets decoding at once (in one context: interleaved step by step, none drained first)
         assert engine.max_live_adapter_sets >= 2
-        assert engine.max_live_contexts == contexts and len(engine._contexts) == contexts
+        if engine.seq_lora is not None:  # per-sequence LoRA: every adapter set in one batch of one context
+            assert engine.max_batch_adapter_sets >= 2 and engine.max_live_contexts == 1
+        else:
+            assert engine.max_live_contexts == contexts and len(engine._contexts) == contexts
 
         # requests that share an adapter set are decoded together (continuous batching)
         same = [threading.Thread(target=lambda i=i: got.__setitem__(1000 + i, list(engine.generate(
@@ -346,3 +353,48 @@ def test_a_converted_peft_adapter_is_cached_per_base(zoo, tmp_path, monkeypatch)
             got = [ask_tokens(c, "a", p, 4) for p in PROMPTS]
         assert got == [(200, w) for w in want], arch
     assert len(list((tmp_path / "cache" / "loras").glob("*.gguf"))) == 2
+
+
+STOCK_WHEEL = f"llama_cpp_python-{'0.3.36'}-py3-none-linux_x86_64.whl"
+
+
+def test_a_stock_llama_cpp_python_serves_mixed_adapters_through_the_fallback(zoo, bundle, tmp_path):
+    """The libraries of a stock llama-cpp-python 0.3.36 wheel (no per-sequence LoRA), loaded in a process of their
+    own: the engine finds no per-sequence functions, falls back to one adapter set per decode, and every mixed
+    answer is a fresh instance's (skipped where no stock wheel was ever built on this machine)."""
+    import json
+    import zipfile
+    from pathlib import Path
+
+    wheel = Path(os.environ.get("WHEEL_CACHE", Path.home() / ".cache" / "tuneport" / "wheels")) / STOCK_WHEEL
+    if not wheel.exists():
+        pytest.skip(f"no stock wheel at {wheel}")
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("llama_cpp/lib/"):
+                z.extract(name, tmp_path)
+    model = bundle / "llama-fp32-F32.gguf"
+    script = f"""
+import json
+from pathlib import Path
+from tuneport.serve.engines.llamacpp import GenerationRequest, LlamaCppEngine
+from concurrent.futures import ThreadPoolExecutor
+e = LlamaCppEngine(Path({str(model)!r}), n_ctx=64, kv_f32=True)
+for v in {ADAPTERS!r}:
+    e.load_adapter(v, Path({str(bundle)!r}) / "adapters" / f"{{v}}-F32.gguf")
+jobs = [(c, i) for c in [None, *{ADAPTERS!r}] for i in range({len(PROMPTS)})]
+run = lambda j: list(e.generate(GenerationRequest({PROMPTS!r}[j[1]], {{j[0]: 1.0}} if j[0] else {{}}, max_tokens={N},
+                                                  ignore_eos=True)))
+with ThreadPoolExecutor(4) as ex:
+    got = list(ex.map(run, jobs))
+print("@@" + json.dumps({{"batching": e.adapter_batching, "sets": e.max_live_adapter_sets, "got": got}}))
+e.close()
+"""
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(tmp_path / "llama_cpp" / "lib")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("@@"))[2:])
+    assert res["batching"] == "one adapter set per decode" and res["sets"] >= 2
+    jobs = [(c, i) for c in [None, *ADAPTERS] for i in range(len(PROMPTS))]
+    want = [fresh_greedy(model, bundle / "adapters" / f"{c}-F32.gguf" if c else None, PROMPTS[i], N) for c, i in jobs]
+    assert res["got"] == want

@@ -98,7 +98,18 @@ def llamacpp_status(version: str | None, cuda: dict | None) -> dict | None:
         compute = llamacpp_compute()
     except (OSError, AttributeError) as e:  # a library that does not load: say why, doctor goes on
         return {"backend": None, "reason": f"llama-cpp-python does not load: {e}"}
-    out = {**compute.to_dict(), "default_gpu_layers": "all" if compute.gpu_offload else 0, "build_hint": ""}
+    import llama_cpp
+
+    from tuneport.serve.engines.llamacpp_seq_lora import seq_lora
+
+    batched = seq_lora(llama_cpp) is not None
+    out = {**compute.to_dict(), "default_gpu_layers": "all" if compute.gpu_offload else 0, "build_hint": "",
+           "adapter_batching": "per-sequence" if batched else "one adapter set per decode",
+           "adapter_batching_hint": "" if batched else (
+               "requests for different adapters decode in one batch with tuneport's llama-cpp-python: in a tuneport "
+               "checkout, `make llama-wheel` builds it (patches/llama.cpp; CMAKE_ARGS as usual for CUDA/Metal), "
+               "then `pip install --force-reinstall --no-deps --find-links ~/.cache/tuneport/wheels "
+               "'llama-cpp-python==0.3.36+tuneport.<hash>'` as the Makefile does")}
     wanted = ("CUDA" if cuda and cuda.get("available") and not cuda.get("hip") else
               "Metal" if apple_silicon() else None)
     if wanted and compute.gpu_backend != wanted:
@@ -182,8 +193,10 @@ def _llamacpp_line(lc: dict) -> str:
     gpus = [f"{d['name']} ({d['description']}, {d['total_bytes'] / 2**30:.1f} GiB)" for d in lc["devices"]
             if d["kind"] in ("gpu", "igpu")]
     line = (f"llama.cpp backend: {lc['backend']}" + (f" on {', '.join(gpus)}" if gpus else "")
-            + f"; serve/verify default --gpu-layers {lc['default_gpu_layers']}")
-    return line + (f"\n  {lc['build_hint']}" if lc["build_hint"] else "")
+            + f"; serve/verify default --gpu-layers {lc['default_gpu_layers']}; adapters batched: "
+            + lc["adapter_batching"])
+    line += f"\n  {lc['build_hint']}" if lc["build_hint"] else ""
+    return line + (f"\n  {lc['adapter_batching_hint']}" if lc["adapter_batching_hint"] else "")
 
 
 def _mlx_line(m: dict) -> str:

@@ -8,6 +8,7 @@ LoRA files or PEFT directories (converted on load for an HF base, cached by cont
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,8 +53,11 @@ class LlamaCppBackend(InProcessBackend):
             model_path = base
         else:
             raise UserError(f"--base {base} is neither a GGUF file nor a model directory", "pass one of them")
+        # TUNEPORT_LLAMACPP_BATCH_ADAPTERS=0: the fallback (one adapter set per decode) even where llama.cpp has
+        # per-sequence LoRA, to compare the two (benchmarks/serve_llamacpp.py)
+        batched = os.environ.get("TUNEPORT_LLAMACPP_BATCH_ADAPTERS", "1") != "0"
         self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_contexts=contexts, kv_f32=kv_f32,
-                                    prompt_cache=prompt_cache, n_gpu_layers=n_gpu)
+                                    prompt_cache=prompt_cache, n_gpu_layers=n_gpu, batch_adapter_sets=batched)
         super().__init__(name, max_adapters, adapter_dir)
         self.max_choices = self.llama.n_seq_max
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
@@ -147,10 +151,10 @@ class LlamaCppBackend(InProcessBackend):
         return {**super().describe(), "gguf": str(self.llama.model_path), "n_ctx": self.llama.n_ctx,
                 "contexts": self.llama.n_contexts, "threads": self.llama.n_threads,
                 "prompt_cache": self.llama.prompt_cache, "gpu_layers": self.llama.n_gpu_layers,
-                "compute": llamacpp_compute().label}
+                "compute": llamacpp_compute().label, "adapter_batching": self.llama.adapter_batching}
 
     def counters(self) -> dict[str, int]:
-        return self.llama.cache_stats
+        return {**self.llama.cache_stats, "llamacpp_max_batch_adapter_sets": self.llama.max_batch_adapter_sets}
 
     def close(self) -> None:
         self.llama.close()

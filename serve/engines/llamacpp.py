@@ -1,6 +1,11 @@
 """llama.cpp through llama-cpp-python's low-level API: one model, GGUF LoRAs attached per request, one decode
 loop over up to ``n_contexts`` contexts.
 
+With tuneport's llama-cpp-python (``patches/llama.cpp``: per-sequence LoRA, :mod:`.llamacpp_seq_lora`) each
+sequence is bound to its own adapter set and one decode batch holds sequences of every set, the base included; an
+adapter llama.cpp cannot bind per sequence (token-embedding or expert LoRA) is attached to the context as below.
+With a stock llama-cpp-python the loop falls back to attaching one adapter set per decode:
+
 Attaching another adapter set to a context makes llama.cpp plan its compute graph again (about half a
 one-token decode), so the loop keeps adapter sets on contexts of their own: a request joins the context
 already decoding its adapter set, else an idle one, else a new context (created when first needed, up to
@@ -30,7 +35,7 @@ from tuneport.convert.gguf.runtime import llamacpp_errors, llamacpp_logging, lla
 from .base import Event, EventStream, GenerationRequest, tokens_of
 from .llamacpp_decode import DecodeLoop
 from .llamacpp_schedule import Scheduler
-from .llamacpp_state import _Batch, _Context, _Seq, physical_cores
+from .llamacpp_state import PER_SEQUENCE, _Batch, _Context, _Seq, physical_cores
 from .llamacpp_vocab import Vocabulary
 from .prompt_cache import PromptCache
 
@@ -46,10 +51,15 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
 
     def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_contexts: int = 1, n_threads: int | None = None,
                  kv_f32: bool = False, n_seq_max: int = 8, prompt_cache: bool = True, cache_entries: int = 8,
-                 n_gpu_layers: int = 0) -> None:
+                 n_gpu_layers: int = 0, batch_adapter_sets: bool = True) -> None:
         import llama_cpp
 
+        from .llamacpp_seq_lora import seq_lora
+
         self.lc = llama_cpp
+        # per-sequence LoRA (tuneport's patched llama.cpp): every adapter set in one decode batch; None: a stock
+        # llama.cpp (or batch_adapter_sets off), where a context decodes one attached adapter set at a time
+        self.seq_lora = seq_lora(llama_cpp) if batch_adapter_sets else None
         self.model_path = Path(model_path)
         reader = open_gguf(self.model_path)
         self.arch = gguf_field(reader, "general.architecture")
@@ -80,6 +90,7 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         # one loop decodes one context at a time, so each decode has every physical core
         self.n_threads = n_threads or physical_cores()
         self._adapters: dict[str, object] = {}
+        self._per_sequence: dict[str, bool] = {}  # adapters llama.cpp can bind per sequence (no embedding LoRA)
         self._lock = threading.Lock()
         # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a context
         # never admits a request made against an earlier load of a name, and cached cells never outlive a load.
@@ -90,6 +101,7 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         self._unloading: set[str] = set()  # names each context must stop using (and drop from its cache)
         self._closed = False
         self.max_batch_seqs = 0  # the most sequences decoded in one step so far (observability, tests)
+        self.max_batch_adapter_sets = 0  # the most adapter sets in one decode batch (per-sequence LoRA)
         self.max_live_adapter_sets = 0  # the most adapter sets decoding at once (none drained first)
         self.max_live_contexts = 0  # the most contexts decoding in one turn of the loop
         self._batch = _Batch(llama_cpp, n_ctx * n_seq_max)  # the loop fills one batch at a time
@@ -129,11 +141,15 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
     # -- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> int:
         nbytes = check_gguf_lora(Path(path), self.arch, self.tensor_shapes)
+        # the patch stacks 2-D LoRA matrices of the layers' linears; token-embedding and expert LoRA stay per context
+        per_sequence = all(not n.startswith("token_embd.") and len(s) == 2
+                           for n, s in tensor_shapes(open_gguf(Path(path))).items())
         ptr = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
         if not ptr:  # NULL pointer: falsy, not None
             raise UserError(f"llama.cpp refused adapter {name} ({path.name})", "re-export the adapter for this base")
         with self._lock:
             self._adapters[name] = ptr
+            self._per_sequence[name] = per_sequence
             self._generation[name] = next(self._loads)
         return nbytes
 
@@ -161,6 +177,7 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
                 self._cv.notify_all()
             with self._lock:
                 ptr = self._adapters.pop(name)
+                self._per_sequence.pop(name, None)
                 self._generation.pop(name, None)
         self.lc.llama_adapter_lora_free(ptr)
 
@@ -168,8 +185,23 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
     def _uses(cx: _Context, name: str) -> bool:
         """Whether ``cx`` decodes with adapter ``name`` or has it attached (read by another thread: a stale
         answer errs on the side of waiting, and a request admitted meanwhile fails its generation check)."""
+        current = () if cx.current == PER_SEQUENCE else cx.current or ()
         return any(n == name for sq in list(cx.active) for n, _, _ in sq.key) or any(
-            n == name for n, _, _ in (cx.current or ()))
+            n == name for n, _, _ in current) or any(n == name for key in list(cx.bound.values()) for n, _, _ in key)
+
+    def group_key(self, key: tuple) -> tuple:
+        """The adapter set the loop schedules a request under: ``PER_SEQUENCE`` for every set llama.cpp binds per
+        sequence (they decode together), else the set itself (attached to the context for its decodes)."""
+        if self.seq_lora is None:
+            return key
+        with self._lock:
+            ok = all(self._per_sequence.get(n, False) for n, _, _ in key)
+        return PER_SEQUENCE if ok else key
+
+    @property
+    def adapter_batching(self) -> str:
+        """How requests for different adapter sets decode: in one batch (per-sequence LoRA), or a set at a time."""
+        return "per-sequence (one batch)" if self.seq_lora is not None else "one adapter set per decode"
 
     @property
     def cache_stats(self) -> dict[str, int]:

@@ -10,7 +10,7 @@ import numpy as np
 from tuneport.convert.errors import UserError
 
 from .base import Done, GenerationRequest, PromptScores, sample, token_logprobs
-from .llamacpp_state import QUANTUM, TOKEN_DATA, _Context, _Seq
+from .llamacpp_state import PER_SEQUENCE, QUANTUM, TOKEN_DATA, _Context, _Seq
 
 
 class DecodeLoop:
@@ -19,7 +19,7 @@ class DecodeLoop:
     def _step(self, cx: _Context) -> None:
         """Decode one adapter set's sequences: the attached set again until it has had ``QUANTUM`` decodes in a
         row, then the next set with active sequences, round-robin (attaching a set costs about half a decode)."""
-        keys = list(dict.fromkeys(sq.key for sq in cx.active))
+        keys = list(dict.fromkeys(self.group_key(sq.key) for sq in cx.active))
         if not keys:
             return
         if cx.current in keys and cx.streak < QUANTUM:
@@ -28,20 +28,61 @@ class DecodeLoop:
             key = keys[(keys.index(cx.current) + 1) % len(keys)] if cx.current in keys else keys[0]
             cx.streak = 0
         cx.streak += 1
-        group = [sq for sq in cx.active if sq.key == key]
+        group = [sq for sq in cx.active if self.group_key(sq.key) == key]
         self.max_batch_seqs = max(self.max_batch_seqs, len(group))
+        refused: list[_Seq] = []  # sequences whose adapters went away meanwhile: already answered and freed
         try:
-            self._attach(cx, key)
-            finished = self._decode(cx, group)
+            if key == PER_SEQUENCE:
+                refused = self._bind(cx, group)
+                group = [sq for sq in group if sq not in refused]
+                self.max_batch_adapter_sets = max(self.max_batch_adapter_sets, len({sq.key for sq in group}))
+            else:
+                self._attach(cx, key)
+            finished = refused + (self._decode(cx, group) if group else [])
             for sq in finished:
                 self._finish(cx, sq)
         except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
             for sq in group:  # their cells are not what `fed` says: freed, never cached
                 sq.out.put(e)
                 self._release(cx, sq)
-            finished = group
+            finished = group + refused
         gone = {id(sq) for sq in finished}
         cx.active = [sq for sq in cx.active if id(sq) not in gone]
+
+    def _bind(self, cx: _Context, group: list[_Seq]) -> list[_Seq]:
+        """Bind each sequence of ``group`` to its own adapter set (per-sequence LoRA), the context's own adapters
+        detached; the sequences whose adapters were unloaded or reloaded meanwhile are refused (and freed)."""
+        lc = self.lc
+        if cx.current != PER_SEQUENCE:
+            lc.llama_set_adapters_lora(cx.ctx, None, 0, None)
+            cx.current = PER_SEQUENCE
+        refused = []
+        for sq in group:
+            if cx.bound.get(sq.seq_id) == sq.key:
+                continue
+            with self._lock:
+                gone = [name for name, _, gen in sq.key if self._generation.get(name) != gen]
+                ptrs = [self._adapters[name] for name, _, _ in sq.key] if not gone else []
+            if gone:
+                sq.out.put(UserError(f"adapter(s) {gone} were unloaded or reloaded meanwhile", "retry the request"))
+                self._release(cx, sq)
+                refused.append(sq)
+                continue
+            self.seq_lora.bind(cx.ctx, sq.seq_id, ptrs, [scale for _, scale, _ in sq.key])
+            cx.bound[sq.seq_id] = sq.key
+        return refused
+
+    def _unbind(self, cx: _Context, seq_id: int) -> None:
+        """A sequence id returns to the pool: no adapter set stays bound to it."""
+        if cx.bound.pop(seq_id, None):
+            self.seq_lora.bind(cx.ctx, seq_id, [], [])
+
+    def _unbind_all(self, cx: _Context) -> None:
+        """Forget every binding (an adapter is about to be freed): the active sequences are bound again at their
+        next decode."""
+        if self.seq_lora is not None and cx.bound:
+            self.seq_lora.clear(cx.ctx)
+            cx.bound.clear()
 
     def _attach(self, cx: _Context, key: tuple) -> None:
         """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``cx``."""
@@ -164,11 +205,14 @@ class DecodeLoop:
             sq.seq_id = -1
 
     def _drop_cached(self, cx: _Context, name: str) -> None:
-        """Free the cached cells computed with adapter ``name``."""
+        """Free the cached cells computed with adapter ``name``, and forget the bindings (``name`` is freed)."""
+        self._unbind_all(cx)
         for sid in cx.cache.drop(name):
             self._forget(cx, sid)
 
     def _forget(self, cx: _Context, seq_id: int) -> None:
+        if self.seq_lora is not None:
+            self._unbind(cx, seq_id)
         self.lc.llama_memory_seq_rm(cx.mem, seq_id, -1, -1)
         cx.free.append(seq_id)
 
@@ -179,7 +223,7 @@ class DecodeLoop:
             if any(n == name for sq in cx.active for n, _, _ in sq.key):
                 continue
             self._drop_cached(cx, name)
-            if cx.current and any(n == name for n, _, _ in cx.current):
+            if cx.current and cx.current != PER_SEQUENCE and any(n == name for n, _, _ in cx.current):
                 self.lc.llama_set_adapters_lora(cx.ctx, None, 0, None)
                 cx.current = None
             cx.done_unloads.add(name)

@@ -57,7 +57,7 @@ class Scheduler:
         sequence ids back when needed), until one finds none; and whether that one wants a new context. Lock
         held."""
         room = {id(cx): min(len(cx.free) + len(cx.cache), self.n_seq_max - len(cx.active)) for cx in self._contexts}
-        keys = {id(cx): {sq.key for sq in cx.active} for cx in self._contexts}
+        keys = {id(cx): {self.group_key(sq.key) for sq in cx.active} for cx in self._contexts}
         placed: dict[int, list[list[_Seq]]] = {}
         while self._pending:
             group = self._pending[0]
@@ -67,13 +67,14 @@ class Scheduler:
                 for sq in group:
                     self._free_grammar(sq)
                 continue
-            cx = self._place(group[0].key, len(group), room, keys)
+            key = self.group_key(group[0].key)  # every set bound per sequence counts as one: they decode together
+            cx = self._place(key, len(group), room, keys)
             if cx is None:
                 return placed, len(self._contexts) < self.n_contexts
             self._pending.pop(0)
             placed.setdefault(id(cx), []).append(group)
             room[id(cx)] -= len(group)
-            keys[id(cx)].add(group[0].key)
+            keys[id(cx)].add(key)
         return placed, False
 
     def _place(self, key: tuple, size: int, room: dict[int, int], keys: dict[int, set]) -> _Context | None:

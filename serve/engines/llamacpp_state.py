@@ -33,6 +33,10 @@ class _Seq(Sequence):
 QUANTUM = 8
 
 
+# The decode loop's name for the sequences bound to their adapter sets one by one (llama.cpp with per-sequence LoRA):
+# they decode together, whatever their sets, as if they had one.
+PER_SEQUENCE = ("per-sequence adapter sets",)
+
 # llama.cpp's llama_token_data, for a whole row of logits filled at once
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
@@ -89,3 +93,4 @@ class _Context:
     streak: int = 0  # decodes in a row of the attached adapter set
     done_unloads: set[str] = field(default_factory=set)
     stale: set[str] = field(default_factory=set)  # unloaded adapters whose cached cells are still to drop
+    bound: dict[int, tuple] = field(default_factory=dict)  # sequence id -> the adapter set bound to it

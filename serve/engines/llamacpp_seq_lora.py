@@ -1,0 +1,42 @@
+"""Per-sequence LoRA in llama.cpp: the C functions tuneport's patch adds (``patches/llama.cpp/0001``), bound with
+ctypes. ``llama_set_seq_adapters_lora`` binds an adapter set (adapters and scales) to one sequence id, so one decode
+batch holds sequences of every adapter set; a stock llama-cpp-python lacks the functions and :func:`seq_lora` returns
+None (the engine then attaches one adapter set per decode)."""
+
+from __future__ import annotations
+
+import ctypes
+
+BIND = "llama_set_seq_adapters_lora"
+CLEAR = "llama_clear_seq_adapters_lora"
+
+
+class SeqLora:
+    """The two functions of the patched library."""
+
+    def __init__(self, lib) -> None:
+        self._bind = getattr(lib, BIND)
+        self._bind.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                               ctypes.POINTER(ctypes.c_float)]
+        self._bind.restype = ctypes.c_int32
+        self._clear = getattr(lib, CLEAR)
+        self._clear.argtypes = [ctypes.c_void_p]
+        self._clear.restype = None
+
+    def bind(self, ctx, seq_id: int, adapters: list, scales: list[float]) -> None:
+        """Bind ``adapters`` (llama_adapter_lora pointers) with ``scales`` to ``seq_id``; none unbinds it."""
+        n = len(adapters)
+        ptrs = (ctypes.c_void_p * max(n, 1))(*(ctypes.cast(a, ctypes.c_void_p) for a in adapters))
+        values = (ctypes.c_float * max(n, 1))(*scales)
+        if self._bind(ctypes.cast(ctx, ctypes.c_void_p), seq_id, ptrs, n, values) != 0:
+            raise RuntimeError(f"llama.cpp refused to bind adapters to sequence {seq_id}")
+
+    def clear(self, ctx) -> None:
+        """Unbind every sequence and forget the stacked sets (before an adapter a sequence used is freed)."""
+        self._clear(ctypes.cast(ctx, ctypes.c_void_p))
+
+
+def seq_lora(llama_cpp) -> SeqLora | None:
+    """The per-sequence functions of the loaded llama.cpp, or None when it is a stock build."""
+    lib = llama_cpp.llama_cpp._lib
+    return SeqLora(lib) if hasattr(lib, BIND) and hasattr(lib, CLEAR) else None
