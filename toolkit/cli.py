@@ -204,6 +204,9 @@ def serve(
     contexts: Annotated[int, typer.Option("--contexts", min=1, help="llama.cpp: the most contexts the decode loop "
                                           "creates, one per adapter set under mixed traffic (each n_ctx × 8 KV "
                                           "cells; spares re-planning the graph at each adapter switch)")] = 1,
+    max_sets_per_batch: Annotated[int | None, typer.Option("--max-sets-per-batch", min=1, help="llama.cpp with "
+                                                           "per-sequence LoRA: distinct adapter sets decoded in one "
+                                                           "batch, others wait (default 8)")] = None,
     no_prompt_cache: Annotated[bool, typer.Option("--no-prompt-cache", help="llama.cpp: keep no finished "
                                                   "prompts' KV cells for reuse")] = False,
     kv_f32: Annotated[bool, typer.Option("--kv-f32", help="llama.cpp: F32 KV cache (fp32 parity, 2x memory)")] = False,
@@ -242,7 +245,7 @@ def serve(
         admin_key_file=admin_key_file, max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
         max_concurrent_per_key=max_concurrent_per_key,
         concurrency=concurrency, dtype=DType(dtype).value, n_ctx=n_ctx, contexts=contexts, kv_f32=kv_f32,
-        prompt_cache=not no_prompt_cache, gpu_layers=gpu_layers,
+        max_sets_per_batch=max_sets_per_batch, prompt_cache=not no_prompt_cache, gpu_layers=gpu_layers,
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,
         engine_port=engine_port, vllm_base_guard=BaseGuard(base_guard).value, log_file=log_file,
@@ -336,6 +339,33 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 
     report = doctor_report()
     emit(report, as_json, format_doctor(report))
+
+
+@app.command("llama-wheel")
+def llama_wheel(
+    install: Annotated[bool, typer.Option("--install", help="pip-install it into this Python, with its "
+                                          "dependencies")] = False,
+    wheel_dir: Annotated[Path | None, typer.Option("--wheel-dir", help="Where wheels are cached "
+                                                   "[default: ~/.cache/tuneport/wheels]")] = None,
+    cmake_args: Annotated[str | None, typer.Option("--cmake-args", help="llama.cpp's CMake options [default: "
+                                                   "$CMAKE_ARGS, else portable x86 CPU flags]")] = None,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Build even if the cache holds the wheel")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Build llama-cpp-python 0.3.36 with tuneport's llama.cpp patches (per-sequence LoRA: serve --engine llamacpp
+    decodes requests for different adapters in one batch); e.g. CMAKE_ARGS=-DGGML_CUDA=on for CUDA."""
+    from .llama_wheel import LlamaWheelOptions, build_llama_wheel
+
+    opts = LlamaWheelOptions(install=install, rebuild=rebuild)
+    if wheel_dir is not None:
+        opts.wheel_dir = wheel_dir
+    if cmake_args is not None:
+        opts.cmake_args = cmake_args
+    if not as_json:
+        logging.getLogger("tuneport.toolkit.llama_wheel").setLevel(logging.INFO)  # its progress on stderr
+    report = build_llama_wheel(opts)
+    emit(report, as_json, f"llama-cpp-python {report['version']}: {report['wheel']}"
+         + (" (installed)" if report["installed"] else f"\n  install: pip install {report['wheel']}"))
 
 
 @app.command()

@@ -106,10 +106,9 @@ def llamacpp_status(version: str | None, cuda: dict | None) -> dict | None:
     out = {**compute.to_dict(), "default_gpu_layers": "all" if compute.gpu_offload else 0, "build_hint": "",
            "adapter_batching": "per-sequence" if batched else "one adapter set per decode",
            "adapter_batching_hint": "" if batched else (
-               "requests for different adapters decode in one batch with tuneport's llama-cpp-python: in a tuneport "
-               "checkout, `make llama-wheel` builds it (patches/llama.cpp; CMAKE_ARGS as usual for CUDA/Metal), "
-               "then `pip install --force-reinstall --no-deps --find-links ~/.cache/tuneport/wheels "
-               "'llama-cpp-python==0.3.36+tuneport.<hash>'` as the Makefile does")}
+               "requests for different adapters decode in one batch with tuneport's llama-cpp-python: "
+               "`tuneport llama-wheel --install` builds and installs it (5-14 min; CMAKE_ARGS passes through, "
+               "e.g. CMAKE_ARGS=-DGGML_CUDA=on)")}
     wanted = ("CUDA" if cuda and cuda.get("available") and not cuda.get("hip") else
               "Metal" if apple_silicon() else None)
     if wanted and compute.gpu_backend != wanted:

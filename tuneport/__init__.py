@@ -33,20 +33,23 @@ from .serve.server import plan as serve_plan
 if TYPE_CHECKING:
     from .toolkit.doctor import doctor_report as doctor
     from .toolkit.inspect import inspect_path as inspect
+    from .toolkit.llama_wheel import LlamaWheelOptions, build_llama_wheel
     from .toolkit.verify import VerifyOptions, VerifyReport, verify
 
 __all__ = [
-    "AdapterSpec", "ExportOptions", "ExportResult", "FidelityError", "MergeOptions", "Server", "ServeOptions",
-    "UserError", "VerifyOptions", "VerifyReport", "__version__", "doctor", "export", "inspect", "merge", "serve",
-    "serve_plan", "verify",
+    "AdapterSpec", "ExportOptions", "ExportResult", "FidelityError", "LlamaWheelOptions", "MergeOptions", "Server",
+    "ServeOptions", "UserError", "VerifyOptions", "VerifyReport", "__version__", "build_llama_wheel", "doctor",
+    "export", "inspect", "merge", "serve", "serve_plan", "verify",
 ]
 
-# inspect, doctor and verify read models with torch: imported on first use, so `import tuneport` stays light.
+# Imported on first use (inspect, doctor and verify read models with torch), so `import tuneport` stays light.
 _LAZY = {"inspect": ("tuneport.toolkit.inspect", "inspect_path"),
          "doctor": ("tuneport.toolkit.doctor", "doctor_report"),
          "verify": ("tuneport.toolkit.verify", "verify"),
          "VerifyOptions": ("tuneport.toolkit.verify", "VerifyOptions"),
-         "VerifyReport": ("tuneport.toolkit.verify", "VerifyReport")}
+         "VerifyReport": ("tuneport.toolkit.verify", "VerifyReport"),
+         "build_llama_wheel": ("tuneport.toolkit.llama_wheel", "build_llama_wheel"),
+         "LlamaWheelOptions": ("tuneport.toolkit.llama_wheel", "LlamaWheelOptions")}
 
 
 def __getattr__(name: str):
