@@ -11,7 +11,8 @@ Then time to first token with a shared 512-token system prompt: the first reques
 ones (same system prompt, a new question: a hit where the server caches prompts).
 
 Run: python benchmarks/serve_llamacpp.py --llama-server .bench/llama-server/bin/llama-server
-     [--models 125m,1b] [--requests 48] [--workdir .bench/serve] [--compare-contexts]
+     [--models 125m,1b] [--requests 48] [--workdir .bench/serve] [--compare-contexts] [--compare-fallback]
+     [--sets-sweep 2,4]
 (benchmarks/build_llama_server.sh builds llama-server from the vendored source of the llama-cpp-python sdist.)
 """
 
@@ -149,13 +150,14 @@ def start_llama_server(binary: Path, model: Path, loras: list[Path], threads: in
 
 
 def start_tuneport(model: Path, loras: list[Path], port: int, contexts: int | None = None,
-                   fallback: bool = False) -> Server:
+                   fallback: bool = False, max_sets: int | None = None) -> Server:
     names = [p.stem.replace("-F32", "") for p in loras]
     proc = subprocess.Popen([sys.executable, "-m", "tuneport", "serve", "--base", str(model),
                              *sum((["--adapter", f"{n}={p}"] for n, p in zip(names, loras, strict=True)), []),
                              "--max-adapters", str(len(loras)), "--port", str(port), "--n-ctx", str(N_CTX),
                              "--gpu-layers", GPU_LAYERS["gpu_layers"],
-                             *(["--contexts", str(contexts)] if contexts else [])],
+                             *(["--contexts", str(contexts)] if contexts else []),
+                             *(["--max-sets-per-batch", str(max_sets)] if max_sets else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "TUNEPORT_LLAMACPP_BATCH_ADAPTERS": "0"} if fallback else None)
     label = "tuneport serve" if contexts is None else f"tuneport serve, {contexts} context(s)"
@@ -240,6 +242,9 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
         servers.append(("tuneport serve, 8 contexts", lambda: start_tuneport(model, loras, 18083, contexts=8)))
     if args.compare_fallback:  # per-sequence LoRA against the scheduler a stock llama-cpp-python gets
         servers.append(("tuneport serve, fallback", lambda: start_tuneport(model, loras, 18084, fallback=True)))
+    for k in args.sets_sweep:  # per-sequence LoRA with at most k adapter sets in one batch
+        servers.append((f"tuneport serve, max {k} sets",
+                        lambda k=k: start_tuneport(model, loras, 18090 + k, max_sets=k)))
     for label, start in servers:
         server = start()
         try:
@@ -277,6 +282,12 @@ def bench_model(key: str, args, threads: int) -> tuple[list[list[str]], list[lis
             ours = results[("tuneport serve", conc, mix)][0]
             theirs = results[("tuneport serve, fallback", conc, mix)][0]
             fallback.append(["fallback", key, str(conc), mix, f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"])
+    for conc in args.concurrency:
+        for k in args.sets_sweep:
+            for mix in ("8 adapters", "32 adapters"):
+                tp = results[(f"tuneport serve, max {k} sets", conc, mix)]
+                fallback.append(["sets", key, str(conc), mix, str(k), f"{tp[0]:.1f}",
+                                 f"{results[('tuneport serve', conc, mix)][0]:.1f}", f"{tp[2] / tp[1]:.2f}"])
     size = f"{model.stat().st_size / 2**20:.0f} MiB {shape.quant.upper()}, 32 LoRAs r={R} on q/k/v/o, {n} requests"
     return rows, ttft_rows, loops + [["llama-server base", *r] for r in base_rows] + fallback, size
 
@@ -292,14 +303,18 @@ def main() -> None:
     ap.add_argument("--compare-contexts", action="store_true", help="also run tuneport serve --contexts 8")
     ap.add_argument("--compare-fallback", action="store_true",
                     help="also run tuneport serve with one adapter set per decode (a stock llama-cpp-python's path)")
+    ap.add_argument("--sets-sweep", default="", help="also run tuneport serve --max-sets-per-batch K for each K "
+                    "(comma-separated): how the default was chosen")
     ap.add_argument("--gpu-layers", default="0", help="both servers: 'all' (llama-server -ngl 999) or a count")
     ap.add_argument("--json-out", type=Path, help="also write the tables as JSON here")
     args = ap.parse_args()
     GPU_LAYERS["gpu_layers"] = args.gpu_layers
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.sets_sweep = [int(k) for k in args.sets_sweep.split(",") if k]
     if args.llama_server:
         args.llama_server = args.llama_server.resolve()
     from tuneport.serve.engines.llamacpp import physical_cores
+    from tuneport.serve.engines.llamacpp_state import DEFAULT_MAX_SETS_PER_BATCH
 
     threads = physical_cores()
     all_rows, all_ttft, all_loops, sizes = [], [], [], []
@@ -320,7 +335,7 @@ def main() -> None:
                            "vs own base-only", "tuneport p99/p50", "llama-server p99/p50"]))
     print("\ntime to first token, 512-token shared system prompt (s):\n")
     print(table(all_ttft, ["model", "server", "traffic", "first (miss)", "next (hit)", "hit/miss"]))
-    loops = [r for r in all_loops if r[0] not in ("llama-server base", "fallback")]
+    loops = [r for r in all_loops if r[0] not in ("llama-server base", "fallback", "sets")]
     if loops:
         print("\none context for every adapter set (the default) against up to 8 (one per adapter set), tokens/s:\n")
         print(table(loops, ["model", "conc", "traffic", "--contexts 1", "--contexts 8"]))
@@ -329,6 +344,10 @@ def main() -> None:
         print("\nper-sequence LoRA (every adapter set in one batch) against the fallback (one set per decode), "
               "tokens/s:\n")
         print(table(fallback, ["model", "conc", "traffic", "per-sequence", "fallback", "ratio"]))
+    sets = [r[1:] for r in all_loops if r[0] == "sets"]
+    if sets:
+        print(f"\n--max-sets-per-batch K against the default ({DEFAULT_MAX_SETS_PER_BATCH}), tokens/s:\n")
+        print(table(sets, ["model", "conc", "traffic", "K", "tok/s at K", "tok/s default", "p99/p50 at K"]))
     base = [r[1:] for r in all_loops if r[0] == "llama-server base"]
     if base:
         print("\nllama-server base-only tokens/s: no LoRA loaded (the baseline above) against 32 loaded, lora: []\n")

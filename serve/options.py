@@ -57,6 +57,7 @@ class ServeOptions:
     max_prompt_tokens: int | None = None  # the longest prompt in tokens (400 above)
     # llama.cpp
     contexts: int = 1  # the most llama.cpp contexts the decode loop creates (adapter sets each on their own)
+    max_sets_per_batch: int | None = None  # llama.cpp: distinct adapter sets in one decode batch (None: 8, measured)
     prompt_cache: bool = True  # keep finished sequences' KV cells for reuse under the same adapter set
     kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
     gpu_layers: int | str | None = None  # layers in VRAM: "all", N, or None (all on a GPU build of llama.cpp, else 0)
@@ -93,6 +94,9 @@ class ServeOptions:
         if self.max_adapters < 1:
             raise UserError("--max-adapters must be at least 1", "")
         self.check_on_demand_room()
+        if self.max_sets_per_batch is not None and self.max_sets_per_batch < 1:
+            raise UserError(f"--max-sets-per-batch {self.max_sets_per_batch}: must be at least 1",
+                            "leave it out for the measured default")
         if self.contexts < 1:
             raise UserError("--contexts must be at least 1", "1 keeps every adapter set in one context")
         for limit in ("max_tokens_limit", "max_prompt_tokens", "max_concurrent_per_key"):

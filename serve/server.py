@@ -193,7 +193,9 @@ def serve(options: ServeOptions | None = None, /, **fields) -> Server:
 def serve_forever(opts: ServeOptions) -> None:
     """``tuneport serve``: serve until SIGINT/SIGTERM, then finish in-flight requests and stop (exit 0)."""
     with serve(opts) as server:
-        log.info("serving %s on %s (%s)", server.backend.name, server.url, server.backend.engine)
+        batching = server.backend.describe().get("adapter_batching")
+        log.info("serving %s on %s (%s%s)", server.backend.name, server.url, server.backend.engine,
+                 f"; adapters batched: {batching}" if batching else "")
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: server.stop())
         server.wait()

@@ -1,9 +1,9 @@
-"""Per-sequence LoRA in llama.cpp's graph (patches/llama.cpp/0001): in ONE decode batch mixing the base, four
-adapters of different ranks and targets (plain r=4, rsLoRA, rank/alpha patterns, all linears) and a weighted
-two-adapter set, every sequence's logits equal the same sequence decoded alone in a fresh context with its adapters
-set the stock way (llama_set_adapters_lora), at every step of a 32-token greedy run (F32 GGUF, F32 KV cache); also
-across an unbind/rebind in the middle of the run. Skipped with a stock llama-cpp-python (the engine's fallback is
-tested in test_serve_llamacpp.py)."""
+"""Per-sequence LoRA in llama.cpp's graph (toolkit/llama_cpp_patches/0001): in ONE decode batch mixing the base, five
+adapters of different ranks and targets (plain r=8 on q/v, rsLoRA r=16, rank/alpha patterns, all linears, token
+embeddings + q_proj) and two weighted two-adapter sets, every sequence's logits equal the same sequence decoded
+alone in a fresh context with its adapters set the stock way (llama_set_adapters_lora), at every step of a 32-token
+greedy run (F32 GGUF, F32 KV cache); also across an unbind/rebind in the middle of the run. Skipped with a stock
+llama-cpp-python (the engine's fallback is tested in test_serve_llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from test_serve_llamacpp import export_separate
 pytestmark = pytest.mark.llamacpp
 TOL = 1e-4
 STEPS = 32
-ADAPTERS = ["plain", "rslora", "patterns", "all_linear"]
-SETS = [[], [("plain", 1.0)], [("rslora", 1.0)], [("patterns", 1.0)], [("all_linear", 1.0)],
-        [("plain", 1.0), ("rslora", 0.5)]]
+ADAPTERS = ["plain", "rslora", "patterns", "all_linear", "embedding"]
+SETS = [[], [("plain", 1.0)], [("rslora", 1.0)], [("patterns", 1.0)], [("all_linear", 1.0)], [("embedding", 1.0)],
+        [("plain", 1.0), ("rslora", 0.5)], [("embedding", 0.7), ("all_linear", 1.0)]]
 PROMPTS = [[1, 50, 60, 70, 80], [1, 90, 100, 3], [1, 200, 300, 411, 7, 8], [1, 9, 10], [1, 33, 44, 55, 66, 77, 88],
-           [1, 123, 45]]
+           [1, 123, 45], [1, 5, 6, 7], [1, 250, 251]]
 
 
 @pytest.fixture(scope="module")

@@ -43,14 +43,17 @@ def bundle(zoo, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("contexts,batched", [(1, True), (1, False), (2, False)],
-                         ids=["per-sequence", "fallback-1-context", "fallback-2-contexts"])
-def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, contexts, batched):
+@pytest.mark.parametrize("contexts,batched,max_sets", [(1, True, None), (1, True, 2), (1, False, None),
+                                                      (2, False, None)],
+                         ids=["per-sequence", "per-sequence-2-sets", "fallback-1-context", "fallback-2-contexts"])
+def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, contexts, batched, max_sets):
     """Four adapter sets from four threads: with tuneport's llama.cpp every set in one decode batch (per-sequence
-    LoRA); in the fallback a stock llama-cpp-python takes (forced here), one context interleaves them step by step
-    and two contexts each take adapter sets of their own (the second created when the traffic first mixes)."""
+    LoRA; with --max-sets-per-batch 2, two sets' sequences at a time, the others waiting); in the fallback a stock
+    llama-cpp-python takes (forced here), one context interleaves them step by step and two contexts each take
+    adapter sets of their own (the second created when the traffic first mixes)."""
     model = bundle / "llama-fp32-F32.gguf"
-    engine = LlamaCppEngine(model, n_ctx=64, n_contexts=contexts, kv_f32=True, batch_adapter_sets=batched)
+    engine = LlamaCppEngine(model, n_ctx=64, n_contexts=contexts, kv_f32=True, batch_adapter_sets=batched,
+                            max_sets_per_batch=max_sets)
     try:
         for v in ADAPTERS:
             engine.load_adapter(v, bundle / "adapters" / f"{v}-F32.gguf")
@@ -84,6 +87,7 @@ def test_mixed_concurrent_requests_match_fresh_instances_and_peft(zoo, bundle, c
         assert engine.max_live_adapter_sets >= 2
         if engine.seq_lora is not None:  # per-sequence LoRA: every adapter set in one batch of one context
             assert engine.max_batch_adapter_sets >= 2 and engine.max_live_contexts == 1
+            assert engine.max_batch_adapter_sets <= (max_sets or len(ADAPTERS))
         else:
             assert engine.max_live_contexts == contexts and len(engine._contexts) == contexts
 
@@ -131,6 +135,64 @@ def test_the_prompt_cache_never_crosses_adapter_sets(bundle):
         engine.unload_adapter("plain")  # its cells go with it: a reload starts cold
         engine.load_adapter("plain", lora["plain"])
         assert ask("plain") == want["plain"] and engine.cache_stats["prompt_cache_hits_total"] == 2
+    finally:
+        engine.close()
+
+
+def test_one_batch_of_adapter_sets_keeps_its_prompt_caches_apart_and_survives_unload_reload(bundle):
+    """Per-sequence LoRA with the prompt cache on: one shared prefix asked under the base, plain and rslora at once
+    (one batch), twice: the second round hits each set's own entry, and every answer is a fresh instance's. Then,
+    while plain and rslora requests decode, an idle adapter is unloaded and reloaded (every binding is dropped and
+    the stacks rebuilt under them) and plain itself is unloaded (freed only once its sequence finished): the running
+    answers are unchanged and the reloaded adapters answer as fresh instances."""
+    model = bundle / "llama-fp32-F32.gguf"
+    lora = {v: bundle / "adapters" / f"{v}-F32.gguf" for v in ADAPTERS}
+    prefix = [1, *range(40, 80)]
+    prompts = {c: [*prefix, 200 + k] for k, c in enumerate((None, "plain", "rslora"))}
+    want = {c: fresh_greedy(model, lora.get(c), p, N) for c, p in prompts.items()}
+    engine = LlamaCppEngine(model, n_ctx=128, kv_f32=True)
+    try:
+        if engine.seq_lora is None:
+            pytest.skip("a stock llama-cpp-python: no per-sequence LoRA")
+        for v, path in lora.items():
+            engine.load_adapter(v, path)
+
+        def ask(c, prompt, n=N):
+            return list(engine.generate(GenerationRequest(prompt, {c: 1.0} if c else {}, max_tokens=n,
+                                                          ignore_eos=True)))
+
+        for _ in range(2):
+            got: dict = {}
+            run_threads(lambda c, got=got: got.__setitem__(c, ask(c, prompts[c])), [(c,) for c in prompts])
+            assert got == want
+        assert engine.max_batch_adapter_sets >= 2
+        assert engine.cache_stats["prompt_cache_hits_total"] == 3
+        assert engine.cache_stats["prompt_cache_hit_tokens_total"] == sum(len(p) - 1 for p in prompts.values())
+
+        long = {c: fresh_greedy(model, lora[c], prompts[c], 24) for c in ("plain", "rslora")}
+        running, results = threading.Event(), {}
+
+        def decode_long(c):
+            toks = []
+            for t in engine.generate(GenerationRequest(prompts[c], {c: 1.0}, max_tokens=24, ignore_eos=True)):
+                toks.append(t)
+                if len(toks) == 3:
+                    running.set()
+            results[c] = toks
+
+        threads = [threading.Thread(target=decode_long, args=(c,)) for c in long]
+        for t in threads:
+            t.start()
+        assert running.wait(120)
+        engine.unload_adapter("all_linear")
+        engine.load_adapter("all_linear", lora["all_linear"])
+        engine.unload_adapter("plain")
+        for t in threads:
+            t.join()
+        assert results == long
+        engine.load_adapter("plain", lora["plain"])
+        for c in ("all_linear", "plain"):
+            assert ask(c, prompts[None]) == fresh_greedy(model, lora[c], prompts[None], N), c
     finally:
         engine.close()
 

@@ -1,9 +1,9 @@
 """llama.cpp through llama-cpp-python's low-level API: one model, GGUF LoRAs attached per request, one decode
 loop over up to ``n_contexts`` contexts.
 
-With tuneport's llama-cpp-python (``patches/llama.cpp``: per-sequence LoRA, :mod:`.llamacpp_seq_lora`) each
+With tuneport's llama-cpp-python (``toolkit/llama_cpp_patches``: per-sequence LoRA, :mod:`.llamacpp_seq_lora`) each
 sequence is bound to its own adapter set and one decode batch holds sequences of every set, the base included; an
-adapter llama.cpp cannot bind per sequence (token-embedding or expert LoRA) is attached to the context as below.
+adapter llama.cpp cannot bind per sequence (LoRA on stacked experts) is attached to the context as below.
 With a stock llama-cpp-python the loop falls back to attaching one adapter set per decode:
 
 Attaching another adapter set to a context makes llama.cpp plan its compute graph again (about half a
@@ -35,7 +35,7 @@ from tuneport.convert.gguf.runtime import llamacpp_errors, llamacpp_logging, lla
 from .base import Event, EventStream, GenerationRequest, tokens_of
 from .llamacpp_decode import DecodeLoop
 from .llamacpp_schedule import Scheduler
-from .llamacpp_state import PER_SEQUENCE, _Batch, _Context, _Seq, physical_cores
+from .llamacpp_state import DEFAULT_MAX_SETS_PER_BATCH, PER_SEQUENCE, _Batch, _Context, _Seq, physical_cores
 from .llamacpp_vocab import Vocabulary
 from .prompt_cache import PromptCache
 
@@ -51,7 +51,8 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
 
     def __init__(self, model_path: Path, *, n_ctx: int = 2048, n_contexts: int = 1, n_threads: int | None = None,
                  kv_f32: bool = False, n_seq_max: int = 8, prompt_cache: bool = True, cache_entries: int = 8,
-                 n_gpu_layers: int = 0, batch_adapter_sets: bool = True) -> None:
+                 n_gpu_layers: int = 0, batch_adapter_sets: bool = True, max_sets_per_batch: int | None = None
+                 ) -> None:
         import llama_cpp
 
         from .llamacpp_seq_lora import seq_lora
@@ -60,6 +61,7 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         # per-sequence LoRA (tuneport's patched llama.cpp): every adapter set in one decode batch; None: a stock
         # llama.cpp (or batch_adapter_sets off), where a context decodes one attached adapter set at a time
         self.seq_lora = seq_lora(llama_cpp) if batch_adapter_sets else None
+        self.max_sets_per_batch = max_sets_per_batch or DEFAULT_MAX_SETS_PER_BATCH
         self.model_path = Path(model_path)
         reader = open_gguf(self.model_path)
         self.arch = gguf_field(reader, "general.architecture")
@@ -90,7 +92,7 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         # one loop decodes one context at a time, so each decode has every physical core
         self.n_threads = n_threads or physical_cores()
         self._adapters: dict[str, object] = {}
-        self._per_sequence: dict[str, bool] = {}  # adapters llama.cpp can bind per sequence (no embedding LoRA)
+        self._per_sequence: dict[str, bool] = {}  # adapters llama.cpp can bind per sequence (no expert LoRA)
         self._lock = threading.Lock()
         # Each load of a name gets a new generation: an adapter set is (name, scale, generation), so a context
         # never admits a request made against an earlier load of a name, and cached cells never outlive a load.
@@ -141,9 +143,9 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
     # -- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> int:
         nbytes = check_gguf_lora(Path(path), self.arch, self.tensor_shapes)
-        # the patch stacks 2-D LoRA matrices of the layers' linears; token-embedding and expert LoRA stay per context
-        per_sequence = all(not n.startswith("token_embd.") and len(s) == 2
-                           for n, s in tensor_shapes(open_gguf(Path(path))).items())
+        # the patch stacks 2-D LoRA matrices (linears, token embeddings); expert LoRA stays attached per context
+        per_sequence = self.seq_lora is not None and all(
+            self.seq_lora.binds(n, s) for n, s in tensor_shapes(open_gguf(Path(path))).items())
         ptr = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
         if not ptr:  # NULL pointer: falsy, not None
             raise UserError(f"llama.cpp refused adapter {name} ({path.name})", "re-export the adapter for this base")

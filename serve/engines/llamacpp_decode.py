@@ -33,9 +33,11 @@ class DecodeLoop:
         refused: list[_Seq] = []  # sequences whose adapters went away meanwhile: already answered and freed
         try:
             if key == PER_SEQUENCE:
+                group = self._window(group)
                 refused = self._bind(cx, group)
                 group = [sq for sq in group if sq not in refused]
-                self.max_batch_adapter_sets = max(self.max_batch_adapter_sets, len({sq.key for sq in group}))
+                sets = len({sq.key for sq in group if sq.key})  # the base is not an adapter set
+                self.max_batch_adapter_sets = max(self.max_batch_adapter_sets, sets)
             else:
                 self._attach(cx, key)
             finished = refused + (self._decode(cx, group) if group else [])
@@ -48,6 +50,19 @@ class DecodeLoop:
             finished = group + refused
         gone = {id(sq) for sq in finished}
         cx.active = [sq for sq in cx.active if id(sq) not in gone]
+
+    def _window(self, group: list[_Seq]) -> list[_Seq]:
+        """The sequences of the first ``max_sets_per_batch`` distinct adapter sets, in admission order (the base
+        is not a set): later sets' sequences wait until older ones finish, so none waits for ever."""
+        sets: set[tuple] = set()
+        chosen = []
+        for sq in group:  # cx.active's order: the order of admission
+            if sq.key and sq.key not in sets:
+                if len(sets) == self.max_sets_per_batch:
+                    continue
+                sets.add(sq.key)
+            chosen.append(sq)
+        return chosen
 
     def _bind(self, cx: _Context, group: list[_Seq]) -> list[_Seq]:
         """Bind each sequence of ``group`` to its own adapter set (per-sequence LoRA), the context's own adapters
@@ -80,8 +95,8 @@ class DecodeLoop:
     def _unbind_all(self, cx: _Context) -> None:
         """Forget every binding (an adapter is about to be freed): the active sequences are bound again at their
         next decode."""
-        if self.seq_lora is not None and cx.bound:
-            self.seq_lora.clear(cx.ctx)
+        if self.seq_lora is not None:  # always: llama.cpp keeps stacked sets after their sequences are unbound, and
+            self.seq_lora.clear(cx.ctx)  # a freed adapter's address may come back with another adapter's weights
             cx.bound.clear()
 
     def _attach(self, cx: _Context, key: tuple) -> None:
@@ -191,6 +206,8 @@ class DecodeLoop:
         if sq.seq_id < 0:
             return
         if cx.cache.capacity and sq.index == 0 and sq.req.cache_prompt and sq.fed:
+            if self.seq_lora is not None:  # its cells stay valid; its set leaves the stacks at their next rebuild
+                self._unbind(cx, sq.seq_id)
             for sid in cx.cache.add(sq.key, sq.fed, sq.seq_id):
                 self._forget(cx, sid)
         else:

@@ -1,7 +1,7 @@
-"""Per-sequence LoRA in llama.cpp: the C functions tuneport's patch adds (``patches/llama.cpp/0001``), bound with
-ctypes. ``llama_set_seq_adapters_lora`` binds an adapter set (adapters and scales) to one sequence id, so one decode
-batch holds sequences of every adapter set; a stock llama-cpp-python lacks the functions and :func:`seq_lora` returns
-None (the engine then attaches one adapter set per decode)."""
+"""Per-sequence LoRA in llama.cpp: the C functions tuneport's patch adds (``toolkit/llama_cpp_patches/0001``),
+bound with ctypes. ``llama_set_seq_adapters_lora`` binds an adapter set (adapters and scales) to one sequence id, so
+one decode batch holds sequences of every adapter set; a stock llama-cpp-python lacks the functions and
+:func:`seq_lora` returns None (the engine then attaches one adapter set per decode)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes
 
 BIND = "llama_set_seq_adapters_lora"
 CLEAR = "llama_clear_seq_adapters_lora"
+VERSION = "llama_seq_adapters_lora_version"  # absent in the first version of the patch (no token embeddings)
 
 
 class SeqLora:
@@ -22,6 +23,15 @@ class SeqLora:
         self._clear = getattr(lib, CLEAR)
         self._clear.argtypes = [ctypes.c_void_p]
         self._clear.restype = None
+        version = getattr(lib, VERSION, None)
+        if version is not None:
+            version.argtypes, version.restype = [], ctypes.c_int32
+        self.version = int(version()) if version is not None else 1
+
+    def binds(self, tensor: str, shape: tuple) -> bool:
+        """Whether the library binds a LoRA tensor of this name and shape per sequence: 2-D ones (no experts), the
+        token embeddings' from version 2."""
+        return len(shape) == 2 and (self.version >= 2 or not tensor.startswith("token_embd."))
 
     def bind(self, ctx, seq_id: int, adapters: list, scales: list[float]) -> None:
         """Bind ``adapters`` (llama_adapter_lora pointers) with ``scales`` to ``seq_id``; none unbinds it."""

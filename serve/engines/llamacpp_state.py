@@ -37,6 +37,11 @@ QUANTUM = 8
 # they decode together, whatever their sets, as if they had one.
 PER_SEQUENCE = ("per-sequence adapter sets",)
 
+# Distinct adapter sets one per-sequence batch decodes (--max-sets-per-batch): sequences of further sets wait,
+# oldest first. Every change of the bound sets re-stacks their LoRA matrices in llama.cpp (their size times the
+# sets), so the limit bounds that cost and the stacks' memory; chosen by benchmarks/serve_llamacpp.py --sets-sweep.
+DEFAULT_MAX_SETS_PER_BATCH = 8
+
 # llama.cpp's llama_token_data, for a whole row of logits filled at once
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
