@@ -2,7 +2,8 @@
 adapters of different ranks and targets (plain r=8 on q/v, rsLoRA r=16, rank/alpha patterns, all linears, token
 embeddings + q_proj) and two weighted two-adapter sets, every sequence's logits equal the same sequence decoded
 alone in a fresh context with its adapters set the stock way (llama_set_adapters_lora), at every step of a 32-token
-greedy run (F32 GGUF, F32 KV cache); also across an unbind/rebind in the middle of the run. Skipped with a stock
+greedy run (F32 GGUF, F32 KV cache), and transformers + PEFT in fp32 (single-adapter sets); also across an
+unbind/rebind in the middle of the run. Skipped with a stock
 llama-cpp-python (the engine's fallback is tested in test_serve_llamacpp.py)."""
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def worst(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return max(float(np.abs(a - b).max()) for a, b in zip(got, want, strict=True))
 
 
-def test_one_batch_of_every_adapter_set_equals_each_sequence_decoded_alone(lib, capsys):
+def test_one_batch_of_every_adapter_set_equals_each_sequence_decoded_alone(lib, zoo, capsys):
     lc, seq, model, adapters = lib
     want = {s: alone(lc, model, adapters, st, p) for s, (st, p) in enumerate(zip(SETS, PROMPTS, strict=True))}
     ctx = new_context(lc, model, len(SETS))
@@ -123,6 +124,18 @@ def test_one_batch_of_every_adapter_set_equals_each_sequence_decoded_alone(lib, 
             print(f"  {st or 'base'}: {d:.1e} (effect {effect:.2f})")
     assert all(d <= TOL for _, d, _ in rows), rows
     assert all(effect > 0.1 for st, _, effect in rows if st)
+    # and transformers + PEFT (fp32) on the same tokens, at every step (single-adapter sets and the base)
+    import torch
+
+    from tuneport.toolkit.fidelity import load_hf, load_peft, logits
+
+    for s, st in enumerate(SETS):
+        if len(st) > 1:
+            continue
+        ref = load_peft(zoo.base("llama"), zoo.adapter("llama", st[0][0])) if st else load_hf(zoo.base("llama"))
+        ids = PROMPTS[s] + [int(x.argmax()) for x in got[s][:-1]]
+        want_hf = logits(ref, torch.tensor([ids]))[0, len(PROMPTS[s]) - 1:].numpy()
+        assert max(float(np.abs(want_hf[k] - got[s][k]).max()) for k in range(STEPS + 1)) <= TOL, st
 
 
 def test_unbinding_and_rebinding_mid_run_stays_exact(lib):
