@@ -233,7 +233,8 @@ def ask_tokens(c: httpx.Client, model: str, prompt: list[int], n: int) -> tuple[
 
 
 def test_mixed_load_matches_fresh_instances_and_peft(zoo, tmp_path):
-    """200 greedy requests mixing the base and 3 adapters at concurrency 8 through the gateway."""
+    """200 greedy requests mixing the base and 3 adapters at concurrency 8 through the gateway; /metrics says which
+    path decoded them (per-sequence LoRA: several adapter sets in one batch)."""
     names = [None, "plain", "all_linear", "rslora"]
     gguf = tmp_path / "gguf"
     export_separate(zoo.base("llama"), {n: zoo.adapter("llama", n) for n in names[1:]}, gguf)
@@ -250,6 +251,11 @@ def test_mixed_load_matches_fresh_instances_and_peft(zoo, tmp_path):
         c = httpx.Client(base_url=server.url, timeout=120)
         with ThreadPoolExecutor(8) as ex:
             results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, prompts[j[1]], 16), jobs))
+        metrics = c.get("/metrics").text  # which path ran, and adapter sets in one batch
+        batched = server.backend.llama.seq_lora is not None
+        assert f"\ntuneport_llamacpp_per_sequence_lora {int(batched)}\n" in metrics
+        sets = int(metrics.split("\ntuneport_llamacpp_max_batch_adapter_sets ")[1].split()[0])
+        assert sets >= 2 if batched else sets == 0
     bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r[0] != 200 or r[1] != want[j]]
     assert not bad, bad[:2]
 

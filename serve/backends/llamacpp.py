@@ -158,7 +158,9 @@ class LlamaCppBackend(InProcessBackend):
                 **({"max_sets_per_batch": self.llama.max_sets_per_batch} if self.llama.seq_lora else {})}
 
     def counters(self) -> dict[str, int]:
-        return {**self.llama.cache_stats, "llamacpp_max_batch_adapter_sets": self.llama.max_batch_adapter_sets}
+        # which path decodes mixed adapter traffic: 1 every set in one batch (per-sequence LoRA), 0 the fallback
+        return {**self.llama.cache_stats, "llamacpp_per_sequence_lora": int(self.llama.seq_lora is not None),
+                "llamacpp_max_batch_adapter_sets": self.llama.max_batch_adapter_sets}
 
     def close(self) -> None:
         self.llama.close()
