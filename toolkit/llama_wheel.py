@@ -122,8 +122,8 @@ def _build(opts: LlamaWheelOptions, version: str, wheel_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="tuneport-llama-wheel-") as tmp:
         work = Path(tmp)
         log.info("downloading the llama-cpp-python %s sdist", LLAMA_CPP_VERSION)
-        _run([opts.python, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(work),
-              f"llama-cpp-python=={LLAMA_CPP_VERSION}"], "downloading the sdist (needs the package index)")
+        _run([opts.python, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python", "-d",
+              str(work), f"llama-cpp-python=={LLAMA_CPP_VERSION}"], "downloading the sdist (needs the package index)")
         with tarfile.open(work / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz") as tar:
             tar.extractall(work, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         src = work / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
