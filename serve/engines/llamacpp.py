@@ -55,12 +55,13 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
                  ) -> None:
         import llama_cpp
 
-        from .llamacpp_seq_lora import seq_lora
+        from .llamacpp_seq_lora import HeapTrim, seq_lora
 
         self.lc = llama_cpp
         # per-sequence LoRA (tuneport's patched llama.cpp): every adapter set in one decode batch; None: a stock
         # llama.cpp (or batch_adapter_sets off), where a context decodes one attached adapter set at a time
         self.seq_lora = seq_lora(llama_cpp) if batch_adapter_sets else None
+        self._trim_heap = HeapTrim()
         self.max_sets_per_batch = max_sets_per_batch or DEFAULT_MAX_SETS_PER_BATCH
         self.model_path = Path(model_path)
         reader = open_gguf(self.model_path)

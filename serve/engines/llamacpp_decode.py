@@ -41,6 +41,9 @@ class DecodeLoop:
             else:
                 self._attach(cx, key)
             finished = refused + (self._decode(cx, group) if group else [])
+            if key == PER_SEQUENCE and cx.restacked:  # llama.cpp re-stacked the sets at this decode
+                cx.restacked = False
+                self._trim_heap()
             for sq in finished:
                 self._finish(cx, sq)
         except Exception as e:  # noqa: BLE001 - this adapter set's requests fail, the others go on
@@ -83,6 +86,7 @@ class DecodeLoop:
                 self._release(cx, sq)
                 refused.append(sq)
                 continue
+            cx.restacked |= bool(sq.key) and sq.key not in cx.bound.values()  # a set llama.cpp may not hold yet
             self.seq_lora.bind(cx.ctx, sq.seq_id, ptrs, [scale for _, scale, _ in sq.key])
             cx.bound[sq.seq_id] = sq.key
         return refused
@@ -98,6 +102,7 @@ class DecodeLoop:
         if self.seq_lora is not None:  # always: llama.cpp keeps stacked sets after their sequences are unbound, and
             self.seq_lora.clear(cx.ctx)  # a freed adapter's address may come back with another adapter's weights
             cx.bound.clear()
+            cx.restacked = True
 
     def _attach(self, cx: _Context, key: tuple) -> None:
         """Attach the adapter set ``key`` ((name, scale, generation), ...) to ``cx``."""

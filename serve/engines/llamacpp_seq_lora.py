@@ -6,6 +6,7 @@ one decode batch holds sequences of every adapter set; a stock llama-cpp-python 
 from __future__ import annotations
 
 import ctypes
+import time
 
 BIND = "llama_set_seq_adapters_lora"
 CLEAR = "llama_clear_seq_adapters_lora"
@@ -44,6 +45,28 @@ class SeqLora:
     def clear(self, ctx) -> None:
         """Unbind every sequence and forget the stacked sets (before an adapter a sequence used is freed)."""
         self._clear(ctypes.cast(ctx, ctypes.c_void_p))
+
+
+class HeapTrim:
+    """Gives the C heap's free pages back after llama.cpp re-stacked the bound sets (glibc's ``malloc_trim``, at most
+    once per ``interval_s``). Each re-stack frees the old stacks and allocates new ones; under adapter churn the
+    freed blocks fragment the heap and RSS creeps up (measured in the 60 s soak: +4.9% alone, +11% beside the test
+    suite; with the trim the same as the fallback's). A no-op where the C library has no ``malloc_trim``."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        try:
+            self._trim = ctypes.CDLL(None).malloc_trim
+            self._trim.argtypes, self._trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            self._trim = None
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if self._trim is not None and now - self._last >= self.interval_s:
+            self._last = now
+            self._trim(0)
 
 
 def seq_lora(llama_cpp) -> SeqLora | None:

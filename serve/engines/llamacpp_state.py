@@ -99,3 +99,4 @@ class _Context:
     done_unloads: set[str] = field(default_factory=set)
     stale: set[str] = field(default_factory=set)  # unloaded adapters whose cached cells are still to drop
     bound: dict[int, tuple] = field(default_factory=dict)  # sequence id -> the adapter set bound to it
+    restacked: bool = False  # a set was bound that llama.cpp may not have stacked: it re-stacks at the next decode
