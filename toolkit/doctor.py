@@ -100,11 +100,12 @@ def llamacpp_status(version: str | None, cuda: dict | None) -> dict | None:
         return {"backend": None, "reason": f"llama-cpp-python does not load: {e}"}
     import llama_cpp
 
-    from tuneport.serve.engines.llamacpp_seq_lora import seq_lora
+    from tuneport.serve.engines.llamacpp_seq_lora import batching_label, seq_lora
 
-    batched = seq_lora(llama_cpp) is not None
+    seq = seq_lora(llama_cpp)
+    batched = seq is not None
     out = {**compute.to_dict(), "default_gpu_layers": "all" if compute.gpu_offload else 0, "build_hint": "",
-           "adapter_batching": "per-sequence" if batched else "one adapter set per decode",
+           "adapter_batching": batching_label(seq),
            "adapter_batching_hint": "" if batched else (
                "requests for different adapters decode in one batch with tuneport's llama-cpp-python: "
                "`tuneport llama-wheel --install` builds and installs it (5-14 min; CMAKE_ARGS passes through, "

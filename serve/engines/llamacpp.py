@@ -35,6 +35,7 @@ from tuneport.convert.gguf.runtime import llamacpp_errors, llamacpp_logging, lla
 from .base import Event, EventStream, GenerationRequest, tokens_of
 from .llamacpp_decode import DecodeLoop
 from .llamacpp_schedule import Scheduler
+from .llamacpp_seq_lora import HeapTrim, batching_label, seq_lora
 from .llamacpp_state import DEFAULT_MAX_SETS_PER_BATCH, PER_SEQUENCE, _Batch, _Context, _Seq, physical_cores
 from .llamacpp_vocab import Vocabulary
 from .prompt_cache import PromptCache
@@ -54,8 +55,6 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
                  n_gpu_layers: int = 0, batch_adapter_sets: bool = True, max_sets_per_batch: int | None = None
                  ) -> None:
         import llama_cpp
-
-        from .llamacpp_seq_lora import HeapTrim, seq_lora
 
         self.lc = llama_cpp
         # per-sequence LoRA (tuneport's patched llama.cpp): every adapter set in one decode batch; None: a stock
@@ -204,7 +203,7 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
     @property
     def adapter_batching(self) -> str:
         """How requests for different adapter sets decode: in one batch (per-sequence LoRA), or a set at a time."""
-        return "per-sequence (one batch)" if self.seq_lora is not None else "one adapter set per decode"
+        return batching_label(self.seq_lora)
 
     @property
     def cache_stats(self) -> dict[str, int]:

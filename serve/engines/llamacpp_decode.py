@@ -92,7 +92,8 @@ class DecodeLoop:
         return refused
 
     def _unbind(self, cx: _Context, seq_id: int) -> None:
-        """A sequence id returns to the pool: no adapter set stays bound to it."""
+        """A sequence id returns to the pool: no adapter set stays bound to it (a no-op unless one was: with a stock
+        llama.cpp nothing is ever bound)."""
         if cx.bound.pop(seq_id, None):
             self.seq_lora.bind(cx.ctx, seq_id, [], [])
 
@@ -211,8 +212,7 @@ class DecodeLoop:
         if sq.seq_id < 0:
             return
         if cx.cache.capacity and sq.index == 0 and sq.req.cache_prompt and sq.fed:
-            if self.seq_lora is not None:  # its cells stay valid; its set leaves the stacks at their next rebuild
-                self._unbind(cx, sq.seq_id)
+            self._unbind(cx, sq.seq_id)  # its cells stay valid; its set leaves the stacks at their next rebuild
             for sid in cx.cache.add(sq.key, sq.fed, sq.seq_id):
                 self._forget(cx, sid)
         else:
@@ -233,8 +233,7 @@ class DecodeLoop:
             self._forget(cx, sid)
 
     def _forget(self, cx: _Context, seq_id: int) -> None:
-        if self.seq_lora is not None:
-            self._unbind(cx, seq_id)
+        self._unbind(cx, seq_id)
         self.lc.llama_memory_seq_rm(cx.mem, seq_id, -1, -1)
         cx.free.append(seq_id)
 

@@ -69,6 +69,11 @@ class HeapTrim:
             self._trim(0)
 
 
+def batching_label(seq: SeqLora | None) -> str:
+    """How requests for different adapter sets decode, as doctor, describe() and the start-up line say it."""
+    return "per-sequence (one batch)" if seq is not None else "one adapter set per decode"
+
+
 def seq_lora(llama_cpp) -> SeqLora | None:
     """The per-sequence functions of the loaded llama.cpp, or None when it is a stock build."""
     lib = llama_cpp.llama_cpp._lib
