@@ -108,6 +108,14 @@ class Backend(ABC):
     def unload_adapter(self, name: str) -> None:
         self.pool.remove(name)
 
+    def adapter_names(self) -> list[str]:
+        """The adapters served now (``/v1/models``)."""
+        return self.pool.names()
+
+    def adapter_states(self) -> dict:
+        """The admin API's listing (``GET /v1/adapters``)."""
+        return {"adapters": self.pool.states(), "max_adapters": self.pool.max_adapters}
+
     def adapters_for(self, body: dict) -> dict[str, float]:
         """OpenAI ``model`` picks the adapter (the base by its own name); ``adapters`` mixes several."""
         mix = body.get("adapters")
@@ -162,6 +170,14 @@ class Backend(ABC):
     def counters(self) -> dict[str, int]:
         """Engine figures for /metrics (``*_total``: counters, others: gauges)."""
         return {}
+
+    def metrics_text(self) -> str:
+        """``/metrics``: the gateway's request figures, the pool's and the engine's, as Prometheus text."""
+        gauges = {k: v for k, v in self.describe().items() if k.endswith("_bytes") and isinstance(v, int)}
+        engine = self.counters()
+        gauges.update({k: v for k, v in engine.items() if not k.endswith("_total")})
+        return self.metrics.render(self.pool.stats, len(self.pool.names()), gauges,
+                                   {k: v for k, v in engine.items() if k.endswith("_total")})
 
     async def aclose(self) -> None:  # noqa: B027 - most engines hold nothing of the event loop
         """Free what belongs to the gateway's event loop (HTTP clients); the gateway calls it when it stops."""

@@ -7,7 +7,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .pool import AdapterPool
+from .pool import PoolStats
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -31,15 +31,16 @@ class Metrics:
             self.latency_sum += seconds
             self.latency_count += 1
 
-    def render(self, pool: AdapterPool, gauges: dict[str, int] | None = None,
-               counters: dict[str, int] | None = None) -> str:
-        """Prometheus text; ``gauges`` and ``counters``: engine figures (memory bytes, prompt-cache hits) as
-        ``tuneport_<name>``."""
+    def render(self, pool: PoolStats, adapters_loaded: int, gauges: dict[str, int] | None = None,
+               counters: dict[str, int] | None = None, labelled: list[str] | None = None) -> str:
+        """Prometheus text; ``pool``: the adapter pool's figures (summed over replicas on Ray); ``gauges`` and
+        ``counters``: engine figures (memory bytes, prompt-cache hits) as ``tuneport_<name>``; ``labelled``: lines
+        written as they are (per-replica series)."""
         with self.lock:
             c, buckets = {**self.counters, **(counters or {})}, list(self.bucket_counts)
             total, count = self.latency_sum, self.latency_count
-        c.update({"adapter_loads_total": pool.stats.loads, "adapter_evictions_total": pool.stats.evictions,
-                  "adapter_hits_total": pool.stats.hits, "adapter_misses_total": pool.stats.misses})
+        c.update({"adapter_loads_total": pool.loads, "adapter_evictions_total": pool.evictions,
+                  "adapter_hits_total": pool.hits, "adapter_misses_total": pool.misses})
         lines = []
         for name, v in sorted(c.items()):
             lines += [f"# TYPE tuneport_{name} counter", f"tuneport_{name} {v}"]
@@ -51,7 +52,8 @@ class Metrics:
         lines.append(f'tuneport_request_latency_seconds_bucket{{le="+Inf"}} {count}')
         lines.append(f"tuneport_request_latency_seconds_sum {total}")
         lines.append(f"tuneport_request_latency_seconds_count {count}")
-        lines.append(f"tuneport_adapters_loaded {len(pool.names())}")
+        lines.append(f"tuneport_adapters_loaded {adapters_loaded}")
         for name, v in sorted((gauges or {}).items()):
             lines += [f"# TYPE tuneport_{name} gauge", f"tuneport_{name} {v}"]
+        lines += labelled or []
         return "\n".join(lines) + "\n"

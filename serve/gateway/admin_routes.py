@@ -14,7 +14,7 @@ def admin_router(backend: Backend) -> APIRouter:
 
     @router.get("/v1/adapters")
     async def adapters():
-        return {"adapters": backend.pool.states(), "max_adapters": backend.pool.max_adapters}
+        return backend.adapter_states()
 
     @router.post("/v1/adapters", status_code=201)
     async def load(body: dict):

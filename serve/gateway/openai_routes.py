@@ -21,7 +21,7 @@ def openai_router(backend: Backend, max_tokens_limit: int | None = None) -> APIR
     async def models():
         base = {"object": "model", "created": backend.created, "owned_by": "tuneport"}
         data = [{"id": backend.name, **base}]
-        data += [{"id": n, **base, "parent": backend.name} for n in backend.pool.names()]
+        data += [{"id": n, **base, "parent": backend.name} for n in backend.adapter_names()]
         return {"object": "list", "data": data}
 
     @router.post("/v1/completions")

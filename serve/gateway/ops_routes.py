@@ -21,10 +21,6 @@ def ops_router(backend: Backend) -> APIRouter:
 
     @router.get("/metrics")
     async def prometheus():
-        gauges = {k: v for k, v in backend.describe().items() if k.endswith("_bytes") and isinstance(v, int)}
-        engine = backend.counters()
-        gauges.update({k: v for k, v in engine.items() if not k.endswith("_total")})
-        return PlainTextResponse(backend.metrics.render(
-            backend.pool, gauges, {k: v for k, v in engine.items() if k.endswith("_total")}))
+        return PlainTextResponse(backend.metrics_text())
 
     return router
