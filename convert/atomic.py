@@ -116,3 +116,10 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` at ``path`` through a temporary sibling and a rename: never half a file there."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import shutil
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 from tuneport.convert import __version__
 from tuneport.convert.adapter import resolve_adapter_path
+from tuneport.convert.atomic import write_text_atomic
 from tuneport.convert.checkpoint import Checkpoint, checkpoint_sha256, resolve_model_path
 from tuneport.convert.errors import FidelityError, UserError
 from tuneport.convert.exl3.converter import requirements as exl3_requirements
@@ -136,7 +136,7 @@ class Release:
             res = export(**self._export_fields(target, target_dir))
             done[label] = {"key": key, "type": target.type, "details": res.details}
             state[label] = done[label]
-            _write_text(self.out / STATE, json.dumps(state, indent=2, default=str))
+            write_text_atomic(self.out / STATE, json.dumps(state, indent=2, default=str))
         return done
 
     def _export_fields(self, target, target_dir: Path) -> dict:
@@ -210,7 +210,7 @@ class Release:
                     "passed": report.passed})
             self.artifacts += found
             state[label] = {**state.get(label, done[label]), "verified": {"gates": gates_key, "artifacts": found}}
-            _write_text(self.out / STATE, json.dumps(state, indent=2, default=str))
+            write_text_atomic(self.out / STATE, json.dumps(state, indent=2, default=str))
 
     # -- the release directory -----------------------------------------------------------------------
     def write_files(self) -> None:
@@ -233,8 +233,8 @@ class Release:
                     "name": self.recipe.name, "release_version": self.recipe.version, "inputs": self.inputs,
                     "artifacts": self.artifacts, "plot": {"file": "fidelity.png", "points": self.plot} if self.plot
                     else None, "outputs": outputs, "passed": self.passed}
-        _write_text(self.out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
-        _write_text(self.out / "README.md", model_card(self.recipe, self.artifacts, self.out))
+        write_text_atomic(self.out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+        write_text_atomic(self.out / "README.md", model_card(self.recipe, self.artifacts, self.out))
 
     @property
     def passed(self) -> bool:
@@ -312,12 +312,6 @@ def _private(rel: Path) -> bool:
     from .publish import PRIVATE_PARTS
 
     return rel.parts[0] in PRIVATE_PARTS
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _library_versions() -> dict[str, str]:
