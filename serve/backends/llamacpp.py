@@ -41,7 +41,7 @@ class LlamaCppBackend(InProcessBackend):
     def __init__(self, base: str | Path, *, max_adapters: int = 8, adapter_dir: Path | None = None,
                  n_ctx: int = 2048, contexts: int = 1, kv_f32: bool = False, dtype: str = "auto",
                  prompt_cache: bool = True, gpu_layers: int | str | None = None,
-                 max_sets_per_batch: int | None = None) -> None:
+                 max_sets_per_batch: int | None = None, threads: int | None = None) -> None:
         name = model_name(base)  # from what the user gave: a hub id's name, not its snapshot's hash
         n_gpu = n_gpu_layers(gpu_layers)  # refused on a CPU build before any conversion
         base = resolve_model_path(base)
@@ -59,7 +59,7 @@ class LlamaCppBackend(InProcessBackend):
         batched = os.environ.get("TUNEPORT_LLAMACPP_BATCH_ADAPTERS", "1") != "0"
         self.llama = LlamaCppEngine(model_path, n_ctx=n_ctx, n_contexts=contexts, kv_f32=kv_f32,
                                     prompt_cache=prompt_cache, n_gpu_layers=n_gpu, batch_adapter_sets=batched,
-                                    max_sets_per_batch=max_sets_per_batch)
+                                    max_sets_per_batch=max_sets_per_batch, n_threads=threads)
         super().__init__(name, max_adapters, adapter_dir)
         self.max_choices = self.llama.n_seq_max
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
@@ -73,7 +73,7 @@ class LlamaCppBackend(InProcessBackend):
     def from_options(cls, opts) -> LlamaCppBackend:
         return cls.start(opts, n_ctx=opts.n_ctx, contexts=opts.contexts, kv_f32=opts.kv_f32, dtype=opts.dtype,
                          prompt_cache=opts.prompt_cache, gpu_layers=opts.gpu_layers,
-                         max_sets_per_batch=opts.max_sets_per_batch)
+                         max_sets_per_batch=opts.max_sets_per_batch, threads=opts.threads)
 
     @staticmethod
     def _cached_gguf(hf_dir: Path, quant: str) -> Path:
