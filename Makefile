@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml Makefile $(TORCHVISION_OPS) $(LLAMA_PATCHES)
 	# the test that a user's stock llama-cpp-python serves everything through the fallback.
 	$(PY) toolkit/llama_wheel.py --wheel-dir $(WHEEL_CACHE) --install
 	$(PY) toolkit/llama_wheel.py --wheel-dir $(WHEEL_CACHE) --stock
-	$(PIP) install -q -e '.[hf,gguf,mlx,release,eval,dev]'
+	$(PIP) install -q -e '.[hf,gguf,mlx,release,eval,ray,dev]'
 	touch $(STAMP)
 
 llama-wheel:

@@ -13,6 +13,9 @@ from .pool import check_name
 from .registry import ENGINES, option_flag
 
 BASE_GUARD = ("auto", "on", "off")
+PLACES = ("local", "ray")  # --on: one process here, or a Ray Serve application (tuneport.serve.rayserve)
+RAY_ONLY = ("ray_address", "deploy_dir", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica",
+            "upscale_delay_s", "downscale_delay_s")
 
 
 def parse_named(specs: list[str] | dict[str, str | Path]) -> dict[str, str]:
@@ -60,6 +63,7 @@ class ServeOptions:
     max_sets_per_batch: int | None = None  # llama.cpp: distinct adapter sets in one decode batch (None: 8, measured)
     prompt_cache: bool = True  # keep finished sequences' KV cells for reuse under the same adapter set
     kv_f32: bool = False  # F32 KV cache: transformers' fp32 numbers, twice the memory of F16
+    threads: int | None = None  # llama.cpp's threads (None: the physical cores; on Ray: --cpus-per-replica)
     gpu_layers: int | str | None = None  # layers in VRAM: "all", N, or None (all on a GPU build of llama.cpp, else 0)
     # vLLM
     max_model_len: int | None = None
@@ -74,12 +78,55 @@ class ServeOptions:
     vllm_args: list[str] = field(default_factory=list)  # passed to vLLM as they are
     # ExLlamaV3
     tabby_dir: Path | None = None  # a TabbyAPI checkout (its main.py), run as the engine's server
-    # --dry-run only
-    replicas: int = 1
-    gpus_per_replica: int = 1
+    # Several replicas: on Ray Serve (--on ray), or commands plus an nginx upstream (--dry-run without Ray)
+    on: str = "local"  # "ray": a Ray Serve application, requests routed to a replica holding their adapter
+    ray_address: str | None = None  # a running Ray cluster ("auto", "ray://HOST:10001", ...); None: start one here
+    replicas: int = 1  # Ray: fixed replicas (unless --min/--max-replicas autoscale); nginx dry run: commands
+    min_replicas: int | None = None  # Ray autoscaling: fewest replicas
+    max_replicas: int | None = None  # Ray autoscaling: most replicas
+    target_ongoing_requests: float = 2.0  # Ray autoscaling: requests in flight per replica it aims for
+    cpus_per_replica: float = 1.0  # Ray: CPUs each replica reserves (its llama.cpp threads, at least 1)
+    gpus_per_replica: float | None = None  # Ray: GPUs each replica reserves (None: 0); nginx dry run: 1
+    deploy_dir: Path | None = None  # --dry-run --on ray: the Serve config and KubeRay manifest (./tuneport-ray)
+    upscale_delay_s: float = 10.0  # Ray autoscaling: load above target this long adds a replica
+    downscale_delay_s: float = 60.0  # Ray autoscaling: load below target this long removes one
 
     def __post_init__(self) -> None:
+        self._check_places()
+        self._post_init()
+
+    def _check_places(self) -> None:
+        check_choice("--on", self.on, PLACES)
+        given = self.changed()
+        if self.on != "ray" and (ray := [k for k in RAY_ONLY if k in given]):
+            raise UserError(f"{option_flag(ray[0])} applies to --on ray", "add --on ray, or drop it")
+        if self.replicas < 1:
+            raise UserError(f"--replicas {self.replicas}: must be at least 1", "")
+        if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
+            raise UserError(f"--gpus-per-replica {self.gpus_per_replica:g}: must not be negative", "")
+        if self.cpus_per_replica <= 0:
+            raise UserError(f"--cpus-per-replica {self.cpus_per_replica:g}: must be above 0", "")
+        if min(self.upscale_delay_s, self.downscale_delay_s) < 0:
+            raise UserError("--upscale-delay and --downscale-delay must not be negative", "")
+        if self.target_ongoing_requests <= 0:
+            raise UserError(f"--target-ongoing-requests {self.target_ongoing_requests:g}: must be above 0", "")
+        if self.on == "ray" and self.adapter_dir is not None and not Path(self.adapter_dir).expanduser().is_dir():
+            raise UserError(f"--adapter-dir {self.adapter_dir} is not a directory",
+                            "pass a directory every Ray node can read at that path")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise UserError("--min-replicas and --max-replicas go together (autoscaling)",
+                            "give both, or --replicas N for a fixed number")
+        if self.min_replicas is not None:
+            if "replicas" in given:
+                raise UserError("--replicas is a fixed number; --min-replicas/--max-replicas autoscale",
+                                "give one or the other")
+            if not 1 <= self.min_replicas <= self.max_replicas:
+                raise UserError(f"--min-replicas {self.min_replicas} --max-replicas {self.max_replicas}: need "
+                                "1 <= min <= max", "the ingress asks a replica what it serves, so at least one runs")
+
+    def _post_init(self) -> None:
         self.base = str(self.base)
+        self.deploy_dir = Path(self.deploy_dir).expanduser() if self.deploy_dir else None
         self.adapters = parse_named(self.adapters)
         self.adapter_dir = Path(self.adapter_dir).expanduser() if self.adapter_dir else None
         self.api_key_file = Path(self.api_key_file) if self.api_key_file else None
@@ -97,6 +144,8 @@ class ServeOptions:
         if self.max_sets_per_batch is not None and self.max_sets_per_batch < 1:
             raise UserError(f"--max-sets-per-batch {self.max_sets_per_batch}: must be at least 1",
                             "leave it out for the measured default")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads {self.threads}: must be at least 1", "leave it out for the physical cores")
         if self.contexts < 1:
             raise UserError("--contexts must be at least 1", "1 keeps every adapter set in one context")
         for limit in ("max_tokens_limit", "max_prompt_tokens", "max_concurrent_per_key"):

@@ -136,7 +136,7 @@ def test_serve_refusals_before_anything_starts(zoo, tmp_path, cli, monkeypatch):
     cases = [
         (["--base", gguf, "--engine", "vllm", "--dry-run"], "vLLM (--engine vllm) serves HF safetensors"),
         (["--base", gguf, "--dtype", "bf16", "--dry-run"], "--dtype bf16 applies to an HF base"),
-        (["--base", gguf, "--replicas", "2", "--port", "0"], "--replicas applies to the dry run"),
+        (["--base", gguf, "--replicas", "2", "--port", "0"], "--replicas applies to --on ray and to the dry run"),
         (["--base", gguf, "--json"], "--json applies to --dry-run"),
     ]
     for args, expect in cases:

@@ -228,8 +228,28 @@ def serve(
     restart_engine: Annotated[bool, typer.Option("--restart-engine", help="vLLM: start it again when it dies "
                                                  "(else serve exits 1 with vLLM's error)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the engine, memory plan and command")] = False,
-    replicas: Annotated[int, typer.Option("--replicas", help="--dry-run: commands for N replicas")] = 1,
-    gpus_per_replica: Annotated[int, typer.Option("--gpus-per-replica", help="--dry-run: GPUs each")] = 1,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="llama.cpp: threads (default: the "
+                                                "physical cores; on Ray: --cpus-per-replica)")] = None,
+    on: Annotated[str, typer.Option("--on", help="local: one server here; ray: replicas on Ray Serve, each "
+                                    "request routed to a replica holding its adapter")] = "local",
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="--on ray: a running cluster (auto, "
+                                                    "ray://HOST:10001); default: start one here")] = None,
+    replicas: Annotated[int, typer.Option("--replicas", min=1, help="--on ray: replicas; --dry-run without Ray: "
+                                          "commands for N replicas behind nginx")] = 1,
+    min_replicas: Annotated[int | None, typer.Option("--min-replicas", help="--on ray: autoscale from N")] = None,
+    max_replicas: Annotated[int | None, typer.Option("--max-replicas", help="--on ray: autoscale up to N")] = None,
+    target_ongoing_requests: Annotated[float, typer.Option("--target-ongoing-requests", help="--on ray: requests "
+                                                           "in flight per replica autoscaling aims for")] = 2.0,
+    upscale_delay: Annotated[float, typer.Option("--upscale-delay", help="--on ray: seconds above target before "
+                                                 "adding a replica")] = 10.0,
+    downscale_delay: Annotated[float, typer.Option("--downscale-delay", help="--on ray: seconds below target "
+                                                   "before removing one")] = 60.0,
+    cpus_per_replica: Annotated[float, typer.Option("--cpus-per-replica", help="--on ray: CPUs each replica "
+                                                    "reserves")] = 1.0,
+    gpus_per_replica: Annotated[float | None, typer.Option("--gpus-per-replica", help="--on ray: GPUs each "
+                                                           "replica reserves (default 0); nginx dry run: 1")] = None,
+    deploy_dir: Annotated[Path | None, typer.Option("--deploy-dir", help="--dry-run --on ray: where the Serve "
+                                                    "config and KubeRay manifest go (./tuneport-ray)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="--dry-run: one JSON object")] = False,
 ) -> None:
     """Serve the base and many adapters over one OpenAI-compatible API (llama.cpp, vLLM, MLX; ExLlamaV3 serves one
@@ -249,8 +269,11 @@ def serve(
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,
         engine_port=engine_port, vllm_base_guard=BaseGuard(base_guard).value, log_file=log_file,
-        restart_engine=restart_engine, tabby_dir=tabby_dir, vllm_args=list(ctx.args), replicas=replicas,
-        gpus_per_replica=gpus_per_replica)
+        restart_engine=restart_engine, tabby_dir=tabby_dir, vllm_args=list(ctx.args), threads=threads, on=on,
+        ray_address=ray_address, replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+        target_ongoing_requests=target_ongoing_requests, upscale_delay_s=upscale_delay,
+        downscale_delay_s=downscale_delay, cpus_per_replica=cpus_per_replica, gpus_per_replica=gpus_per_replica,
+        deploy_dir=deploy_dir)
     if dry_run:
         from tuneport.serve.policy import format_dry_run
 
