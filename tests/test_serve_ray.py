@@ -183,6 +183,7 @@ def test_admin_loads_reach_every_replica_and_a_killed_replica_is_replaced(cluste
             assert "copy" not in {a["name"] for a in c.get("/v1/adapters").json()["adapters"]}
             assert c.post("/v1/completions", json={"model": "copy", "prompt": [1], "max_tokens": 1}).status_code == 404
 
+        check_fields_pass_through(server.url, bundle)
         before = set(loads(server.url))
         victim = sorted(before)[0]
         results: list = []
@@ -199,6 +200,44 @@ def test_admin_loads_reach_every_replica_and_a_killed_replica_is_replaced(cluste
             time.sleep(1)
         print(f"replica killed under 120 requests: {failed} failed cleanly (503), the rest answered right")
         assert check_answers(traffic(server.url, 42, seed=3), want) == 0  # the new replica serves too
+
+
+FIELD_BODIES = [
+    ("completions", {"model": "plain", "prompt": [1, 50, 60], "max_tokens": 5, "temperature": 0, "logprobs": 2,
+                     "n": 2}),
+    ("completions", {"model": "rslora", "prompt": [1, 9, 8], "max_tokens": 5, "temperature": 0.8, "seed": 7,
+                     "stream": True, "stream_options": {"include_usage": True}}),
+    ("chat/completions", {"model": "regex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                          "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                      "required": ["a"]}}}}),
+    ("chat/completions", {"model": "layers", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 16,
+                          "temperature": 0, "tools": [{"type": "function", "function": {
+                              "name": "weather", "parameters": {"type": "object", "properties": {}}}}],
+                          "tool_choice": "required"}),
+    ("completions", {"model": "plain", "prompt": [1], "max_tokens": 2, "frequency_penalty": "x"}),
+]
+
+
+def _comparable(r: httpx.Response) -> tuple[int, object]:
+    """A response without what differs between any two servers (ids, timestamps)."""
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return r.status_code, [{k: v for k, v in e.items() if k not in ("id", "created")} for e in events]
+    body = r.json()
+    return r.status_code, {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def check_fields_pass_through(url: str, bundle) -> None:
+    """logprobs, n, sampling with a seed, streamed usage, JSON schema, tools and a refused field: the answer
+    through Ray equals ``tuneport serve``'s without Ray, byte for byte but ids and timestamps."""
+    model, adapter_dir, _ = bundle
+    with tuneport.serve(base=model, adapter_dir=adapter_dir, engine="llamacpp", max_adapters=4, port=0, n_ctx=256,
+                        kv_f32=True) as direct, httpx.Client(timeout=60) as c:
+        for route, body in FIELD_BODIES:
+            got, want = (_comparable(c.post(f"{u}/v1/{route}", json=body)) for u in (url, direct.url))
+            assert got == want, (route, body, got, want)
+        assert want[0] == 400  # the last one: refused alike
 
 
 def test_autoscaling_from_one_replica_to_two_and_back(cluster, bundle):
