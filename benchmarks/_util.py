@@ -6,7 +6,10 @@ import json
 import platform
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 CHILD_PRELUDE = (
     "import json, resource, sys, time\n"
@@ -58,3 +61,24 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def load_test(one: Callable[[int], int], n: int, concurrency: int) -> tuple[float, float, float]:
+    """Tokens/s, p50 and p99 latency of ``one(k)`` for k < ``n``, ``concurrency`` at a time (``one`` sends request
+    k and returns its completion tokens)."""
+    lat: list[float] = []
+    lock = threading.Lock()
+
+    def timed(k: int) -> int:
+        t0 = time.perf_counter()
+        tokens = one(k)
+        with lock:
+            lat.append(time.perf_counter() - t0)
+        return tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        total = sum(ex.map(timed, range(n)))
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]

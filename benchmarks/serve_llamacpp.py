@@ -24,9 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +32,7 @@ import torch
 
 _HERE = str(Path(__file__).resolve().parent)
 sys.path.insert(0, _HERE)
-from _util import machine, table  # noqa: E402
+from _util import load_test, machine, table  # noqa: E402
 from merge import llama_specs  # noqa: E402
 
 # benchmarks/gguf.py would shadow the gguf package: drop this folder from the path again
@@ -171,25 +169,15 @@ def traffic(server: Server, adapters: list[str | None], n: int, concurrency: int
     """tokens/s, p50 and p99 latency of ``n`` requests, ``concurrency`` at a time, adapters round robin."""
     import httpx
 
-    lat: list[float] = []
-    lock = threading.Lock()
     client = httpx.Client(base_url=server.url, timeout=1200)
 
     def one(k: int) -> int:
         prompt = [1] + [(offset + 97 * k + 13 * j) % (VOCAB - 100) + 50 for j in range(15)]  # distinct prompts
-        t0 = time.perf_counter()
         r = client.post(server.path, json=server.body(prompt, adapters[k % len(adapters)], max_tokens))
         r.raise_for_status()
-        with lock:
-            lat.append(time.perf_counter() - t0)
         return Server.tokens(server.label, r.json())
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as ex:
-        total = sum(ex.map(one, range(n)))
-    wall = time.perf_counter() - t0
-    lat.sort()
-    return total / wall, lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+    return load_test(one, n, concurrency)
 
 
 def first_token_s(server: Server, prompt: list[int], adapter: str | None) -> float:
