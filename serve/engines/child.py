@@ -22,7 +22,7 @@ STOP_TIMEOUT_S = 30.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -49,12 +49,8 @@ def build(args: dict, multiplex: bool = True) -> Application:
     comparing adapter loads."""
     opts = ServeOptions(**args["options"])
     settings = deployment_settings(opts)
-
-    def options(name: str) -> dict:
-        return {k: v for k, v in settings[name].items()}
-
-    catalog = serve.deployment(AdapterCatalog).options(**options(CATALOG)).bind()
-    replicas = serve.deployment(replica_class(opts.max_adapters)).options(**options(REPLICA)).bind(
+    catalog = serve.deployment(AdapterCatalog).options(**settings[CATALOG]).bind()
+    replicas = serve.deployment(replica_class(opts.max_adapters)).options(**settings[REPLICA]).bind(
         args["options"], catalog)
-    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(**options(INGRESS))
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(**settings[INGRESS])
     return ingress.bind(args["options"], replicas, catalog, multiplex)

@@ -91,7 +91,7 @@ class ReplicaBase:
             await run_in_threadpool(pool.add, name, path, pinned, True)
         return AdapterLease(self.backend, name)
 
-    async def _adapter_of(self, body: dict) -> None:
+    async def _load_requested(self) -> None:
         """Load the request's multiplexed adapter (Ray's LRU and the pool's)."""
         model = serve.get_multiplexed_model_id()
         if model:
@@ -103,7 +103,7 @@ class ReplicaBase:
     async def generate(self, kind: Kind, body: dict) -> dict:
         usage = Usage()
         try:
-            await self._adapter_of(body)
+            await self._load_requested()
             response = await self.backend.generate(kind, body, usage)
         except (ApiError, UserError) as e:
             return {"error": error_payload(e)}
@@ -113,7 +113,7 @@ class ReplicaBase:
         """The engine's server-sent events; a refusal as ``{"error": ...}`` before any event, and the usage last."""
         usage = Usage()
         try:
-            await self._adapter_of(body)
+            await self._load_requested()
             events = self.backend.stream(kind, body, usage)
             first = await anext(events)
         except StopAsyncIteration:
@@ -131,10 +131,10 @@ class ReplicaBase:
         yield {"usage": usage.as_dict()}
 
     async def describe(self) -> dict:
-        info = self.backend.describe()
+        """What the ingress's router takes from the engine."""
         return {"name": self.backend.name, "engine": self.backend.engine, "created": self.backend.created,
                 "weighted_mixes": self.backend.weighted_mixes, "default_max_tokens": self.backend.default_max_tokens,
-                "max_adapters": self.backend.pool.max_adapters, "describe": info}
+                "max_adapters": self.backend.pool.max_adapters}
 
     # -- catalog ----------------------------------------------------------------------------------
     def _report(self) -> dict:

@@ -58,8 +58,7 @@ class ReplicaRouter(Backend):
     def _handle(self, body: dict, stream: bool = False):
         model = body.get("model")
         routed = self.multiplex and isinstance(model, str) and model not in ("", self.name) and not body.get("adapters")
-        handle = self.replicas.options(stream=stream, multiplexed_model_id=model if routed else "")
-        return handle
+        return self.replicas.options(stream=stream, multiplexed_model_id=model if routed else "")
 
     async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
         self.adapters_for(body)  # names and mixes checked here: a bad one is a 400 before any replica

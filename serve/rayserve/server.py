@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import threading
 from pathlib import Path
 
 from tuneport.convert.errors import UserError
 
+from ..engines.child import free_port
 from ..options import ServeOptions
 from .config import APP_NAME, autoscaling
 
@@ -25,12 +25,6 @@ def require_ray() -> None:
         from ray import serve  # noqa: F401
     except ImportError as e:
         raise UserError("--on ray needs Ray Serve, which is not installed here", INSTALL_HINT) from e
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def deploy_failure(e: Exception) -> str:
@@ -55,7 +49,7 @@ def _serve_port(opts: ServeOptions) -> int:
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
-        port = opts.port or _free_port(opts.host)
+        port = opts.port or free_port(opts.host)
         serve.start(http_options={"host": opts.host, "port": port})
         return port
     running = client.http_config.port
