@@ -9,6 +9,7 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.gpu import parse_gpu_layers
 from tuneport.convert.options import DTYPES, AdapterSpec, check_choice, model_name
 
+from .limits import LIMIT_FLAGS, HttpLimits
 from .pool import check_name
 from .registry import ENGINES, option_flag
 
@@ -53,6 +54,14 @@ class ServeOptions:
     admin_key_file: Path | None = None  # the admin API's own key; None: the API key guards it too
     max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (400 above)
     max_concurrent_per_key: int | None = None  # generation requests in flight per key (429 above)
+    # what a client may send or hold open (serve.limits.HttpLimits; every engine)
+    max_body_bytes: int = HttpLimits.max_body_bytes  # 413 above, Content-Length or chunked alike
+    body_timeout_s: float = HttpLimits.body_timeout_s  # the whole body within this (408)
+    max_header_bytes: int = HttpLimits.max_header_bytes  # request line and headers (431 above)
+    header_timeout_s: float = HttpLimits.header_timeout_s  # a new connection's request headers within this
+    idle_timeout_s: float = HttpLimits.idle_timeout_s  # the next request on a connection within this
+    send_timeout_s: float = HttpLimits.send_timeout_s  # a client reading nothing of its answer this long: dropped
+    max_connections: int = HttpLimits.max_connections  # connections open; the longest-idle closed to make room
     concurrency: int = 8  # expected simultaneous requests: engine choice and memory plan
     dtype: str = "auto"  # vLLM: model dtype; llama.cpp / MLX with an HF base: the model it converts to
     # llama.cpp and MLX
@@ -151,6 +160,11 @@ class ServeOptions:
         for limit in ("max_tokens_limit", "max_prompt_tokens", "max_concurrent_per_key"):
             if getattr(self, limit) is not None and getattr(self, limit) < 1:
                 raise UserError(f"{option_flag(limit)} must be at least 1", "leave it out for no limit")
+        self.http_limits()  # checked now: a bad limit is exit 2 before anything starts
+
+    def http_limits(self) -> HttpLimits:
+        """What a client may send or hold open (the body's limits are the gateway's, the rest the server's)."""
+        return HttpLimits(**{name: getattr(self, name) for name in LIMIT_FLAGS})
 
     def changed(self) -> dict[str, object]:
         """The options set to something other than their default (the fields a user actually gave)."""
@@ -186,7 +200,7 @@ class ServeOptions:
             raise UserError(f"--admin-key-file {self.admin_key_file} holds the same key as --api-key-file",
                             "give the admin API a key of its own")
         return {"api_key": key, "admin_key": admin, "max_tokens_limit": self.max_tokens_limit,
-                "max_concurrent_per_key": self.max_concurrent_per_key}
+                "max_concurrent_per_key": self.max_concurrent_per_key, "limits": self.http_limits()}
 
 
 def read_key_file(flag: str, path: Path | None) -> str | None:

@@ -61,7 +61,9 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in (
 FORMAT_LABELS = {"gguf": "GGUF", "hf": "HF safetensors", "awq": "AWQ", "compressed-tensors": "compressed-tensors",
                  "gptq": "GPTQ", "exl3": "EXL3", "mlx": "MLX"}  # how users name each artifact format
 FLAG_SPELLING = {"vllm_args": "arguments after --", "prompt_cache": "--no-prompt-cache",
-                 "upscale_delay_s": "--upscale-delay", "downscale_delay_s": "--downscale-delay"}
+                 "upscale_delay_s": "--upscale-delay", "downscale_delay_s": "--downscale-delay",
+                 "body_timeout_s": "--body-timeout", "header_timeout_s": "--header-timeout",
+                 "idle_timeout_s": "--idle-timeout", "send_timeout_s": "--send-timeout"}
 
 
 def option_flag(field_name: str) -> str:

@@ -16,6 +16,7 @@ from tuneport.convert.errors import UserError
 from tuneport.convert.options import coerce_options
 
 from .launch import auto_decision, base_and_format, check_engine, expected_load, start_backend
+from .limits import LIMIT_FLAGS
 from .options import ServeOptions, option_flag
 from .registry import engine_spec
 
@@ -43,12 +44,14 @@ class Server:
         import uvicorn
 
         from .gateway import create_app
+        from .gateway.connections import ensure_file_descriptors, uvicorn_settings
 
         if dry := [k for k in ("replicas", "gpus_per_replica") if k in opts.changed()]:
             raise UserError(f"{option_flag(dry[0])} applies to --on ray and to the dry run",
                             "add --on ray to serve several replicas on Ray Serve, or --dry-run "
                             "(tuneport.serve_plan) to print their commands")
         gateway = opts.gateway_settings()  # the key files are read before the engine starts
+        ensure_file_descriptors(gateway["limits"])
         self.options = opts
         self._lock = threading.Lock()
         self._closed = False
@@ -60,7 +63,8 @@ class Server:
             host = "127.0.0.1" if opts.host in ("0.0.0.0", "") else opts.host
             self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
             config = uvicorn.Config(create_app(self.backend, **gateway), log_level="warning",
-                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                    **uvicorn_settings(gateway["limits"]))
             self._uvicorn = uvicorn.Server(config)
             self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
                                             name="tuneport-gateway")
@@ -177,12 +181,14 @@ def tuneport_argv(opts: ServeOptions, engine: str) -> list[str]:
         argv.append("--no-pin")
     if opts.api_key_file:
         argv += ["--api-key-file", str(opts.api_key_file)]
-    for key in ("admin_key_file", "max_tokens_limit", "max_concurrent_per_key"):  # the gateway's, every engine
-        if getattr(opts, key) is not None:
-            argv += [option_flag(key), str(getattr(opts, key))]
+    given = opts.changed()
+    for key in ("admin_key_file", "max_tokens_limit", "max_concurrent_per_key", *LIMIT_FLAGS):  # every engine's
+        if getattr(opts, key) is not None and (key not in LIMIT_FLAGS or key in given):
+            argv += [option_flag(key), f"{getattr(opts, key):g}" if isinstance(getattr(opts, key), float)
+                     else str(getattr(opts, key))]
     if opts.dtype != "auto":
         argv += ["--dtype", opts.dtype]
-    given, honoured = opts.changed(), engine_spec(engine).options
+    honoured = engine_spec(engine).options
     for key in honoured:
         if key == "vllm_args" or key not in given:
             continue
@@ -252,11 +258,18 @@ def plan(options: ServeOptions | None = None, /, **fields) -> dict:
         decision = policy.EngineDecision(engine, f"--engine {engine} as asked ({would})", "explicit")
     argv = tuneport_argv(opts, engine)
     if opts.on == "ray":
+        from .rayserve.proxy import proxy_environment
         from .rayserve.server import write_deploy_files
 
         files = write_deploy_files(opts, engine, opts.deploy_dir or Path("tuneport-ray"))
+        token = {"RAY_AUTH_MODE": "token"}  # Ray 2.60 turns it on wherever ~/.ray/auth_token exists: say so always
         commands = [
-            {"what": "deploy on a running Ray cluster (Ray Serve's own CLI)", "env": {},
+            {"what": "Ray's authentication token, made once in ~/.ray/auth_token (copy it to every node)", "env": {},
+             "argv": ["ray", "get-auth-token", "--generate"]},
+            {"what": "start Ray's head with tuneport's HTTP limits in Ray Serve's proxy (other nodes: ray start "
+                     "--address HEAD:6379 with the same variables)",
+             "env": {**token, **proxy_environment(opts.http_limits())}, "argv": ["ray", "start", "--head"]},
+            {"what": "deploy on that Ray cluster (Ray Serve's own CLI, through the head's dashboard)", "env": token,
              "argv": ["serve", "deploy", files["serve_config"]]},
             {"what": "or on Kubernetes with KubeRay (an image with tuneport installed; base and adapters mounted at "
                      "the same paths)", "env": {}, "argv": ["kubectl", "apply", "-f", files["rayservice"]]}]

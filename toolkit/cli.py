@@ -196,6 +196,20 @@ def serve(
     max_concurrent_per_key: Annotated[int | None, typer.Option("--max-concurrent-per-key", min=1, help="Completion "
                                                                "and chat requests in flight per key (429 above)")
                                       ] = None,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Request bodies over N bytes answer "
+                                                "413, chunked ones too, counted as they arrive")] = 1 << 20,
+    body_timeout: Annotated[float, typer.Option("--body-timeout", help="Seconds a request body may take to arrive "
+                                                "(408 after)")] = 60.0,
+    max_header_bytes: Annotated[int, typer.Option("--max-header-bytes", help="Request line and headers over "
+                                                  "N bytes answer 431")] = 32 << 10,
+    header_timeout: Annotated[float, typer.Option("--header-timeout", help="Seconds a new connection may take to "
+                                                  "send its request headers")] = 10.0,
+    idle_timeout: Annotated[float, typer.Option("--idle-timeout", help="Seconds a connection may wait after an "
+                                                "answer before its next request")] = 5.0,
+    send_timeout: Annotated[float, typer.Option("--send-timeout", help="Seconds a client may read nothing of its "
+                                                "answer before it is disconnected")] = 60.0,
+    max_connections: Annotated[int, typer.Option("--max-connections", help="Connections held open; past it "
+                                                 "the longest-idle ones are closed")] = 1024,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Expected simultaneous requests "
                                              "(engine choice and memory plan)")] = 8,
     dtype: Annotated[DType, typer.Option("--dtype", help="vLLM: model dtype; llama.cpp: the GGUF an HF base is "
@@ -263,8 +277,10 @@ def serve(
         base=base, adapters=adapter or [], adapter_dir=adapter_dir, engine=EngineChoice(engine).value,
         max_adapters=max_adapters, pin=not no_pin, host=host, port=port, api_key_file=api_key_file,
         admin_key_file=admin_key_file, max_tokens_limit=max_tokens_limit, max_prompt_tokens=max_prompt_tokens,
-        max_concurrent_per_key=max_concurrent_per_key,
-        concurrency=concurrency, dtype=DType(dtype).value, n_ctx=n_ctx, contexts=contexts, kv_f32=kv_f32,
+        max_concurrent_per_key=max_concurrent_per_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout,
+        max_header_bytes=max_header_bytes, header_timeout_s=header_timeout, idle_timeout_s=idle_timeout,
+        send_timeout_s=send_timeout, max_connections=max_connections, concurrency=concurrency,
+        dtype=DType(dtype).value, n_ctx=n_ctx, contexts=contexts, kv_f32=kv_f32,
         max_sets_per_batch=max_sets_per_batch, prompt_cache=not no_prompt_cache, gpu_layers=gpu_layers,
         max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_lora_rank=max_lora_rank, max_loras=max_loras,

@@ -13,31 +13,35 @@ from tuneport.convert.errors import UserError
 from ..backend import Backend
 from ..errors import ApiError
 from ..http import error_response
+from ..limits import HttpLimits
 from .admin_routes import admin_router
-from .middleware import AccessLog, Guard
+from .body_limit import BodyLimit
+from .middleware import AccessLog, InFlightLimit, KeyGuard
 from .openai_routes import openai_router
 from .ops_routes import ops_router
 
-MAX_BODY_BYTES = 1 << 20
 PARSE_ERROR = "the request body is not valid JSON (not UTF-8, or nested too deeply)"
 
 
-def create_app(backend: Backend, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, *,
+def create_app(backend: Backend, api_key: str | None = None, limits: HttpLimits | None = None, *,
                admin_key: str | None = None, max_tokens_limit: int | None = None,
                max_concurrent_per_key: int | None = None) -> FastAPI:
     """The gateway over ``backend``; it uses nothing of the engine but the :class:`Backend` contract.
-    ``admin_key`` gives the admin API a key of its own (see :class:`Guard`); ``max_tokens_limit`` caps a
-    request's ``max_tokens`` (400 above); ``max_concurrent_per_key`` caps the generation requests each key
-    has in flight (429 above)."""
+    ``limits``: the body's size and time (:class:`.body_limit.BodyLimit`; the connection limits are the server's);
+    ``admin_key`` gives the admin API a key of its own; ``max_tokens_limit`` caps a request's ``max_tokens``
+    (400 above); ``max_concurrent_per_key`` caps the generation requests each key has in flight (429 above)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         await backend.aclose()
 
     app = FastAPI(title="tuneport gateway", lifespan=lifespan)
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body, admin_key=admin_key,
-                       max_concurrent_per_key=max_concurrent_per_key)
-    app.add_middleware(AccessLog, metrics=backend.metrics)  # outermost: refusals by Guard are logged too
+    # the cheapest refusals first (the last added runs first): the key; requests in flight (a request counts from
+    # its first byte, so a body sent slowly holds its key's slot); the body's size and time
+    app.add_middleware(BodyLimit, limits=limits or HttpLimits(), metrics=backend.metrics)
+    app.add_middleware(InFlightLimit, max_concurrent_per_key=max_concurrent_per_key)
+    app.add_middleware(KeyGuard, api_key=api_key, admin_key=admin_key)
+    app.add_middleware(AccessLog, metrics=backend.metrics)  # outermost: every refusal is logged too
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):

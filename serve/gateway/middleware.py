@@ -1,5 +1,6 @@
-"""Pure ASGI middleware (no per-request task as with ``@app.middleware``): the guard (keys, body size,
-requests in flight per key) and the access log (one line per request, and the request metrics)."""
+"""Pure ASGI middleware (no per-request task as with ``@app.middleware``): the key guard, the requests in flight per
+key and the access log (one line per request, and the request metrics). The body's limits are
+:mod:`.body_limit`'s."""
 
 from __future__ import annotations
 
@@ -34,24 +35,21 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-class Guard:
-    """Keys, body size and requests in flight per key, checked before any route runs.
+class KeyGuard:
+    """The first refusal: the key (401/403), before anything of the request is read.
 
     ``api_key`` guards every route; ``admin_key`` (when given) alone opens the admin API and opens the other
     routes too; without it the API key guards the admin API as well. Each key is compared in constant time,
-    and both are always compared, so the time taken tells nothing of which one matched. With
-    ``max_concurrent_per_key`` a key (or, without keys, all clients together) may have that many completion
-    and chat requests in flight (a stream until its last event); one more answers 429."""
+    and both are always compared, so the time taken tells nothing of which one matched. Which key a request holds
+    ("admin", "inference" or "none") is left in ``scope["state"]["key"]`` for :class:`InFlightLimit`."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, admin_key: str | None = None,
-                 max_concurrent_per_key: int | None = None) -> None:
-        self.app, self.max_body, self.max_concurrent = app, max_body, max_concurrent_per_key
+    def __init__(self, app, api_key: str | None, admin_key: str | None = None) -> None:
+        self.app = app
         self.inference = _digest(f"Bearer {api_key}".encode()) if api_key else None
         self.admin = _digest(f"Bearer {admin_key}".encode()) if admin_key else None
-        self.in_flight: dict[str, int] = {}
 
     def _refusal(self, path: str, authorization: bytes) -> tuple[str, tuple[int, str] | None]:
-        """(which key the request holds: "admin", "inference" or "none"; the refusal, if any)."""
+        """(which key the request holds, the refusal if any)."""
         presented = _digest(authorization)
         inference = self.inference is not None and hmac.compare_digest(presented, self.inference)
         admin = self.admin is not None and hmac.compare_digest(presented, self.admin)
@@ -70,16 +68,28 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        who, refusal = self._refusal(scope["path"], headers.get(b"authorization", b""))
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        who, refusal = self._refusal(scope["path"], authorization)
         if refusal is not None:
             status, message = refusal
             kind = "authentication_error" if status == 401 else "permission_error"
             return await error_response(status, message, kind)(scope, receive, send)
-        if int(headers.get(b"content-length") or 0) > self.max_body:
-            return await error_response(413, f"request body over {self.max_body} bytes")(scope, receive, send)
-        if self.max_concurrent is None or scope["path"] not in GENERATION_PATHS:
+        scope.setdefault("state", {})["key"] = who
+        return await self.app(scope, receive, send)
+
+
+class InFlightLimit:
+    """With ``max_concurrent_per_key`` a key (or, without keys, all clients together) may have that many completion
+    and chat requests in flight (a stream until its last event); one more answers 429 with ``Retry-After``."""
+
+    def __init__(self, app, max_concurrent_per_key: int | None = None) -> None:
+        self.app, self.max_concurrent = app, max_concurrent_per_key
+        self.in_flight: dict[str, int] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.max_concurrent is None or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
+        who = scope.get("state", {}).get("key", "none")
         if self.in_flight.get(who, 0) >= self.max_concurrent:
             busy = error_response(429, f"this key has {self.max_concurrent} requests in flight, the most "
                                   "--max-concurrent-per-key allows", "rate_limit_error")
