@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .pool import AdapterPool, check_name
 
 Kind = Literal["completions", "chat"]  # /v1/completions or /v1/chat/completions
+NORMALIZATION_SLACK = 4  # how many times fewer bytes a tokenizer's normalization may leave of a text (NFKC: 3)
 
 
 @dataclass
@@ -132,6 +133,34 @@ class Backend(ABC):
         if not isinstance(model, str):
             raise ApiError("'model' must be a string")
         return {check_name(model): 1.0}
+
+    def check_model(self, body: dict) -> None:
+        """Refuse a request for an adapter this server neither holds nor can load (404), before any other work."""
+        for name in self.adapters_for(body):
+            self.pool.check_known(name)
+
+    # -- prompts ------------------------------------------------------------------------------------
+    @property
+    def prompt_token_limit(self) -> int | None:
+        """The most tokens one prompt may have here (the context, or a tighter limit); None: unknown."""
+        return None
+
+    def longest_token_bytes(self) -> int | None:
+        """An upper bound on the bytes of text one token stands for (its longest piece); None: unknown."""
+        return None
+
+    def check_prompt_bytes(self, nbytes: int) -> None:
+        """Refuse (400), before it is tokenized, a prompt of more bytes than :attr:`prompt_token_limit` tokens can
+        hold: each token stands for at most :meth:`longest_token_bytes` bytes, times the 4x a normalizing tokenizer
+        may shrink text by (NFKC: full-width forms, Hangul jamo)."""
+        limit = self.prompt_token_limit
+        if limit is None or nbytes <= limit * NORMALIZATION_SLACK:  # no token is shorter than a byte
+            return
+        longest = self.longest_token_bytes()
+        if longest is not None and nbytes > limit * longest * NORMALIZATION_SLACK:
+            raise ApiError(f"the prompt is {nbytes} bytes, more than the {limit} tokens a prompt may have here can "
+                           f"hold (no token of this model stands for more than {longest} bytes)",
+                           "shorten the prompt")
 
     async def hold(self, names) -> contextlib.ExitStack:
         """Take a pool reference on each adapter (loading it on demand in a worker thread); closing the

@@ -266,6 +266,22 @@ class AdapterPool:
             entry.last_used = self._clock()
             self._lock.notify_all()
 
+    def on_demand(self, name: str) -> Path | None:
+        """``adapter_dir/<name>`` when it holds an adapter (a PEFT config or a GGUF file), else None."""
+        candidate = self.adapter_dir / name if self.adapter_dir else None
+        if candidate is None or not (candidate / "adapter_config.json").exists() and not any(
+                candidate.glob("*.gguf") if candidate.is_dir() else []):
+            return None
+        return candidate
+
+    def check_known(self, name: str) -> None:
+        """Refuse (404) a name that is neither loaded, nor loading, nor loadable on demand: a stat or two, no load."""
+        with self._lock:
+            if name in self._entries or name in self._loading:
+                return
+        if self.on_demand(check_name(name)) is None:
+            raise PoolError(f"adapter {name!r} is not loaded", "load it first (POST /v1/adapters)", status=404)
+
     @contextmanager
     def use(self, name: str) -> Iterator[PoolEntry]:
         """Hold ``name`` for one request (loading it from ``adapter_dir`` on demand)."""
@@ -273,9 +289,8 @@ class AdapterPool:
         entry = self.try_hold(name)
         if entry is None:
             self.stats.misses += 1
-            candidate = self.adapter_dir / name if self.adapter_dir else None
-            if candidate is None or not (candidate / "adapter_config.json").exists() and not any(
-                    candidate.glob("*.gguf") if candidate.is_dir() else []):
+            candidate = self.on_demand(name)
+            if candidate is None:
                 raise PoolError(f"adapter {name!r} is not loaded", "load it first (POST /v1/adapters)", status=404)
             try:
                 entry = self.add(name, candidate, hold=True)

@@ -138,7 +138,7 @@ def test_chat_template_renders_the_same_tokens(demo, tokenizer):
                 return_dict=True)["input_ids"]
     with tuneport.serve(base=Path(demo["gguf"]["models"]["q8_0"]), engine="llamacpp", n_ctx=256, port=0) as server:
         for messages in CHATS:
-            assert server.backend.render_chat(messages) == tokenizer.apply_chat_template(
+            assert server.backend.chat_tokens(messages) == tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"], messages
 
 

@@ -187,15 +187,22 @@ class ExllamaV3Backend(InProcessBackend):
         self.exl.unload_adapter(name)
 
     # -- requests ------------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.text.encode(text)
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.text.encode(text, special=add_bos is not False)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.text.chat(messages)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
+        return self.text.chat(messages), False
 
     @property
     def vocab_size(self) -> int:
         return self.exl.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self.exl.n_ctx
+
+    def token_bytes_bound(self) -> int:
+        return self.text.token_bytes_bound()
 
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)

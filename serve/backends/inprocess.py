@@ -72,17 +72,43 @@ class InProcessBackend(Backend):
 
     # -- engine hooks -------------------------------------------------------------------------------
     @abstractmethod
-    def tokenize(self, text: str) -> list[int]:
-        """A completion prompt as token ids (BOS as the model wants it, special tokens parsed)."""
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """A prompt's text as token ids, special tokens parsed; BOS as the model wants it for a completion prompt
+        (``add_bos`` None), or as :meth:`render_chat` said for a rendered chat."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat messages (and tools) through the model's chat template, as token ids (ApiError if it has none)."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
+        """Chat messages (and tools) through the model's chat template: the text, and whether tokenizing it adds
+        BOS (ApiError if the model has no template or it cannot render them)."""
 
     @property
     @abstractmethod
     def vocab_size(self) -> int:
         """Token ids the model embeds (prompt ids are checked against it)."""
+
+    @property
+    @abstractmethod
+    def n_ctx(self) -> int:
+        """Tokens per sequence, prompt and answer together."""
+
+    @abstractmethod
+    def token_bytes_bound(self) -> int:
+        """An upper bound on the bytes of text one token stands for, special tokens' text included."""
+
+    @property
+    def prompt_token_limit(self) -> int:
+        return min(self.n_ctx, self.max_prompt_tokens or self.n_ctx)
+
+    def longest_token_bytes(self) -> int:
+        if self._longest_token is None:
+            self._longest_token = self.token_bytes_bound()  # once, at the first prompt long enough to need it
+        return self._longest_token
+
+    _longest_token: int | None = None
+
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages as the prompt's token ids (what a chat request is answered from)."""
+        return self.tokenize(*self.render_chat(messages, tools))
 
     @abstractmethod
     def piece(self, token: int) -> bytes:
@@ -97,6 +123,8 @@ class InProcessBackend(Backend):
         """A completion's prompts (typed by the request model: a string, token ids, or a list of either) as
         (token ids, the text echoed: "" unless ``echo``)."""
         items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        for text in (p for p in items if isinstance(p, str)):  # every prompt bounded before any is tokenized
+            self.check_prompt_bytes(utf8_length(text))
         out = []
         for p in items:
             if isinstance(p, str):
@@ -104,6 +132,9 @@ class InProcessBackend(Backend):
                 continue
             if not p:
                 raise ApiError("prompt must not be empty")
+            if len(p) > self.n_ctx:  # before its ids are looked at
+                raise ApiError(f"the prompt is {len(p)} tokens, more than the context of {self.n_ctx} holds",
+                               "shorten the prompt")
             bad = [t for t in p if t >= self.vocab_size]
             if bad:  # an engine reads its embedding at whatever index it is given
                 raise ApiError(f"token ids {bad[:3]} are outside the vocabulary (0 to {self.vocab_size - 1})")
@@ -139,7 +170,9 @@ class InProcessBackend(Backend):
                 raise ApiError("'response_format' and a forced 'tool_choice' both constrain the output",
                                "send one of them")
             grammar = grammar or forced
-            prompts = [(self.render_chat(template_messages(r.messages), tools), "")]
+            text, add_bos = self.render_chat(template_messages(r.messages), tools)
+            self.check_prompt_bytes(utf8_length(text))  # rendered (cheap), bounded, and only then tokenized
+            prompts = [(self.tokenize(text, add_bos), "")]
             max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         else:
             prompts = self.prompts(r.prompt, echo)
@@ -280,6 +313,11 @@ class InProcessBackend(Backend):
             return {"index": b.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish}
         lp = completion_logprobs(d.scored, self.piece, plan.logprobs) if plan.logprobs is not None else None
         return {"index": b.index, "text": text, "logprobs": lp, "finish_reason": d.finish}
+
+
+def utf8_length(text: str) -> int:
+    """The bytes of ``text`` in UTF-8 (a lone surrogate, which JSON can carry, counted as its three bytes)."""
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def response_id(kind: Kind) -> str:

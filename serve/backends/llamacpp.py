@@ -127,18 +127,24 @@ class LlamaCppBackend(InProcessBackend):
         return chat_renderer(self.chat_template, self.llama.piece_text(bos) if bos is not None else "",
                              self.llama.piece_text(eos) if eos is not None else "")
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
         if not self.chat_template:
             raise ApiError("the model has no chat template", "use /v1/completions")
         try:
-            prompt, add_bos = self._chat_renderer(messages, tools)
+            return self._chat_renderer(messages, tools)
         except Exception as e:  # noqa: BLE001 - a template error is the request's (jinja, bad message shapes)
             raise ApiError(f"the chat template cannot render these messages: {e}") from e
-        return self.llama.tokenize(prompt, add_bos, special=True)
 
     @property
     def vocab_size(self) -> int:
         return self.llama.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self.llama.n_ctx
+
+    def token_bytes_bound(self) -> int:
+        return self.llama.longest_piece()
 
     def piece(self, token: int) -> bytes:
         return self.llama.piece(token)

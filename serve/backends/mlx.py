@@ -112,15 +112,22 @@ class MlxBackend(InProcessBackend):
         return write_once(out, lambda tmp: write_mlx_adapter(converted, tmp))
 
     # -- requests ------------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.text.encode(text)
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.text.encode(text, special=add_bos is not False)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.text.chat(messages)  # tools are refused for MLX before this (serve.openai_fields)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, bool]:
+        return self.text.chat(messages), False  # tools are refused for MLX before this (serve.openai_fields)
 
     @property
     def vocab_size(self) -> int:
         return self.mlx.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self.mlx.n_ctx
+
+    def token_bytes_bound(self) -> int:
+        return self.text.token_bytes_bound()
 
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)

@@ -16,6 +16,27 @@ from ..errors import ApiError
 from ..http import error_message
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+RENDERED_WHOLE = ("system", "developer", "user", "tool")  # roles whose text every chat template renders as it is
+
+
+def prompt_text_bytes(kind: Kind, body: dict) -> list[int]:
+    """Bytes of text each prompt of a request has at least: a completion's prompt strings; a chat's messages of the
+    roles every template renders whole (an assistant's may lose its reasoning), text parts included."""
+    def utf8(text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))
+
+    if kind == "completions":
+        prompt = body.get("prompt")
+        return [utf8(p) for p in (prompt if isinstance(prompt, list) else [prompt]) if isinstance(p, str)]
+    total = 0
+    for m in body.get("messages") or []:
+        if not isinstance(m, dict) or m.get("role") not in RENDERED_WHOLE:
+            continue
+        content = m.get("content")
+        parts = content if isinstance(content, list) else [content]
+        total += sum(utf8(p) for p in parts if isinstance(p, str))
+        total += sum(utf8(p["text"]) for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return [total]
 
 
 class UpstreamBackend(Backend):
@@ -48,19 +69,32 @@ class UpstreamBackend(Backend):
             self._client_loop = loop
         return self._client
 
-    def _route(self, body: dict) -> tuple[str, list[str], dict]:
+    def _route(self, kind: Kind, body: dict) -> tuple[str, list[str], dict]:
         """The model name the client asked for, the adapters to hold, and the body the child gets."""
         self._check_up()
         adapters = self.adapters_for(body)  # refuses weighted mixes
+        for nbytes in prompt_text_bytes(kind, body):  # before the child tokenizes what cannot fit
+            self.check_prompt_bytes(nbytes)
+        self.check_prompt_ids(kind, body)
         model = body.get("model") or self.name
         return model, list(adapters), {**body, "model": self.upstream_model(model)}
+
+    def check_prompt_ids(self, kind: Kind, body: dict) -> None:
+        """Refuse (400) a completion prompt of more token ids than the context holds, before it is forwarded."""
+        prompt, limit = body.get("prompt"), self.prompt_token_limit
+        if kind != "completions" or limit is None or not isinstance(prompt, list) or not prompt:
+            return
+        for ids in prompt if isinstance(prompt[0], list) else [prompt]:
+            if isinstance(ids, list) and len(ids) > limit:
+                raise ApiError(f"the prompt is {len(ids)} tokens, more than the context of {limit} holds",
+                               "shorten the prompt")
 
     def whole_answer_body(self, body: dict) -> dict:
         """The body of a request answered whole (not streamed), as the child needs it to report usage."""
         return body
 
     async def generate(self, kind: Kind, body: dict, usage: Usage) -> dict:
-        model, adapters, sent = self._route(body)
+        model, adapters, sent = self._route(kind, body)
         sent = self.whole_answer_body(sent)
         with await self.hold(adapters):
             r = await self._post(kind, sent)
@@ -74,7 +108,7 @@ class UpstreamBackend(Backend):
         return data
 
     async def stream(self, kind: Kind, body: dict, usage: Usage) -> AsyncIterator[bytes]:
-        model, adapters, sent = self._route(body)
+        model, adapters, sent = self._route(kind, body)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         relabel = sent["model"] != model

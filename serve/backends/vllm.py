@@ -27,6 +27,7 @@ from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.options import model_name
 from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank
 
+from ..engines.hf_text import tokenizer_file_bound
 from ..engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
 from ..pool import PoolError, check_name, resolve_inside
 from ..tool_calls import syntax_in, template_of
@@ -190,6 +191,8 @@ class VllmBackend(UpstreamBackend):
         self._start_timeout_s, self._env = start_timeout_s, env
         self._unhealthy_since: tuple[str, float] | None = None  # how and when vLLM's /health began failing
         self._failure: str | None = None
+        self._context = served_context(self.url)
+        self._longest_token: int | None = None
         for name, path in plan.startup.items():  # the user's path (allowed for reloads), vLLM's copy's size
             self.pool.register(name, plan.sources[name], pinned=opts.pin, nbytes=_size(path))
 
@@ -217,6 +220,15 @@ class VllmBackend(UpstreamBackend):
         if model == self.name:
             return GUARD_ADAPTER if self.guard else self.name
         return model
+
+    @property
+    def prompt_token_limit(self) -> int | None:
+        return self._context
+
+    def longest_token_bytes(self) -> int | None:
+        if self._longest_token is None:
+            self._longest_token = tokenizer_file_bound(self.plan.ckpt.path / "tokenizer.json") or 0
+        return self._longest_token or None
 
     # -- state ---------------------------------------------------------------------------------------
     def health(self) -> bool:
@@ -261,6 +273,7 @@ class VllmBackend(UpstreamBackend):
         old.close()
         self.url = self.process.url
         self._unhealthy_since = self._failure = None
+        self._context = served_context(self.url)
         for state in self.pool.states():
             name = state["name"]
             if name in self.plan.startup:
@@ -278,6 +291,15 @@ class VllmBackend(UpstreamBackend):
     def close(self) -> None:
         self.admin.close()
         self.process.stop()
+
+
+def served_context(url: str) -> int | None:
+    """The context vLLM serves its model with (``max_model_len`` in its ``/v1/models``); None if it does not say."""
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=HEALTH_PROBE_S).json()["data"]
+        return max(int(m["max_model_len"]) for m in models if m.get("max_model_len"))
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _size(path: Path) -> int:

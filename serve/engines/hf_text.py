@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from pathlib import Path
 
 from ..errors import ApiError
 
@@ -71,6 +72,19 @@ def token_bytes(tokenizer) -> list[bytes]:
     return table
 
 
+def tokenizer_file_bound(path: Path) -> int | None:
+    """:meth:`HfText.token_bytes_bound` of a ``tokenizer.json`` read as JSON, without building a tokenizer (None
+    when there is no such file or it holds no vocabulary)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    pieces = list(vocab) if isinstance(vocab, dict) else [v[0] for v in vocab if isinstance(v, list) and v]
+    pieces += [t.get("content", "") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    return max((len(str(p).encode()) for p in pieces), default=0) or None
+
+
 class HfText:
     """Prompts, chat and token bytes of one HF tokenizer."""
 
@@ -88,16 +102,24 @@ class HfText:
         with self._lock:
             return list(self.tokenizer.encode(text, add_special_tokens=special))
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """The messages through the chat template (with the generation prompt), as token ids."""
+    def chat(self, messages: list[dict]) -> str:
+        """The messages through the chat template (with the generation prompt), as text; it writes BOS itself, so
+        it is encoded with ``special=False``."""
         if not self.chat_template:
             raise ApiError("the model has no chat template", "use /v1/completions")
         try:
             with self._lock:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template error is the request's (jinja, bad message shapes)
             raise ApiError(f"the chat template cannot render these messages: {e}") from e
-        return self.encode(text, special=False)  # the template writes BOS itself
+
+    def token_bytes_bound(self) -> int:
+        """An upper bound on the bytes one token stands for: its vocabulary string in UTF-8 (a byte-level
+        character, ``▁`` or ``<0xNN>`` is at least as long as the byte it means), special tokens included."""
+        with self._lock:
+            tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            tokens += list(self.tokenizer.get_added_vocab())
+        return max(len(t.encode()) for t in tokens if t is not None)
 
     def piece(self, token: int) -> bytes:
         return self.pieces[token] if 0 <= token < len(self.pieces) else b""

@@ -38,6 +38,15 @@ class Vocabulary:
             n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
+    def longest_piece(self) -> int:
+        """The most bytes one token's text has, special tokens' text included (what a prompt's text may use)."""
+        buf = ctypes.create_string_buffer(256)
+        longest = 1
+        for token in range(self.n_vocab):
+            n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            longest = max(longest, n if n >= 0 else -n)  # negative: the piece needs -n bytes
+        return longest
+
     def piece_text(self, token: int) -> str:
         buf = ctypes.create_string_buffer(256)
         n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)

@@ -38,6 +38,7 @@ def openai_router(backend: Backend, max_tokens_limit: int | None = None) -> APIR
 async def answer(backend: Backend, request: Request, kind: Kind, body: dict, max_tokens_limit: int | None = None):
     record: AccessRecord = getattr(request.state, "access", None) or AccessRecord()
     record.model, record.generation = str(body.get("model") or backend.name), True
+    backend.check_model(body)  # an unknown model is a 404 before any field is looked at
     if max_tokens_limit is not None:
         cap_max_tokens(kind, body, max_tokens_limit, backend.default_max_tokens)
     check_fields(kind, body, backend.engine)  # honoured or refused, never dropped
