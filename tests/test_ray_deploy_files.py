@@ -76,7 +76,9 @@ def test_dry_run_files_pass_rays_schema_and_kuberays_crd(cli, zoo, tmp_path, ext
 
     jsonschema.validate(manifest, rayservice_schema())
     assert yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"] == config["applications"]
-    assert [c["argv"][0] for c in report["commands"]] == ["serve", "kubectl"]
+    assert [c["argv"][:2] for c in report["commands"]] == [["ray", "get-auth-token"], ["ray", "start"],
+                                                             ["serve", "deploy"], ["kubectl", "apply"]]
+    assert report["commands"][1]["env"]["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"].startswith("tuneport.")
 
 
 def test_the_crd_check_refuses_what_kuberay_would(cli, zoo, tmp_path):

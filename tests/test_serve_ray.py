@@ -6,14 +6,20 @@ killed mid-traffic; autoscaling from 1 to 2 replicas and back."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
-from tests_helpers import fresh_greedy
+from tests_helpers import free_port, fresh_greedy
 
 import tuneport
 
@@ -137,6 +143,91 @@ def settle(url: str, count: int, timeout: float = 60) -> None:
     while live_replicas(url) != count:
         assert time.monotonic() < deadline, f"replicas never became {count}"
         time.sleep(0.5)
+
+
+@pytest.fixture
+def ray_cli_cluster(cli, bundle, tmp_path):
+    """The deploy files ``tuneport serve --dry-run --on ray`` writes, and a Ray cluster started as its commands say
+    (the token, ``ray start --head`` with the variables it prints; its own temporary directory, so no other Ray
+    here sees it): (the dry run's report, the Serve config's path, the dashboard address, the Serve port, the
+    environment ``serve deploy`` runs in)."""
+    model, adapter_dir, _ = bundle
+    serve_port, dashboard = free_port(), free_port()
+    code, out, err = cli("serve", "--base", model, "--adapter-dir", adapter_dir, "--engine", "llamacpp", "--on",
+                         "ray", "--port", serve_port, "--n-ctx", 256, "--kv-f32", "--max-adapters", 6, "--dry-run",
+                         "--json", "--deploy-dir", tmp_path / "deploy")
+    assert code == 0, err
+    report = json.loads(out)
+    token, start, deploy = report["commands"][:3]
+    assert start["argv"] == ["ray", "start", "--head"] and deploy["argv"][:2] == ["serve", "deploy"]
+    bin_dir = Path(sys.executable).parent
+    subprocess.run([str(bin_dir / "ray"), *token["argv"][1:]], check=True, capture_output=True, timeout=120)
+    ray_tmp = tempfile.mkdtemp(prefix="tp-ray-", dir="/tmp")  # unix socket paths must stay short
+    env = {**os.environ, **start["env"], "RAY_TMPDIR": ray_tmp}
+    head = subprocess.Popen([str(bin_dir / "ray"), *start["argv"][1:], "--block", "--num-cpus", "2",
+                             "--disable-usage-stats", "--port", str(free_port()), "--dashboard-port", str(dashboard),
+                             "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port",
+                             str(free_port()), "--temp-dir", ray_tmp], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        yield report, Path(deploy["argv"][2]), address, serve_port, {**env, **deploy["env"]}
+    finally:
+        subprocess.run([str(bin_dir / "serve"), "shutdown", "-y", "--address", address], env=env,
+                       capture_output=True, timeout=120)
+        head.terminate()  # `ray start --block` stops the node's processes as it exits
+        head.wait(120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_serve_deploy_runs_the_dry_run_file_as_tuneport_serve_answers(ray_cli_cluster, bundle):
+    """Ray's own CLI runs what tuneport writes: ``serve deploy`` of the dry-run ``serve_config.yaml`` on a cluster
+    started with the variables the dry run prints; 120 mixed requests (base + 6 adapters, half streamed) through it
+    get the answers a plain ``tuneport serve`` gives (and the fresh single-adapter llama.cpp answers); Ray's proxy
+    holds tuneport's limits (the proxy callback those variables name)."""
+    report, config, address, port, env = ray_cli_cluster
+    _, _, want = bundle
+    serve_cli = Path(sys.executable).parent / "serve"
+    deadline = time.monotonic() + 120
+    while True:  # the dashboard's API comes up a little after `ray start`
+        done = subprocess.run([str(serve_cli), "deploy", str(config), "--address", address], env=env,
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert done.returncode == 0, done.stderr[-2000:]
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        status = subprocess.run([str(serve_cli), "status", "--address", address], env=env, capture_output=True,
+                                text=True).stdout
+        assert "DEPLOY_FAILED" not in status and time.monotonic() < deadline, status
+        time.sleep(2)
+    through_ray = traffic(url, 120, seed=3)
+    assert check_answers(through_ray, want) == 0
+    model, adapter_dir, _ = bundle
+    with tuneport.serve(base=model, adapter_dir=adapter_dir, engine="llamacpp", port=0, n_ctx=256, kv_f32=True,
+                        max_adapters=6) as plain:
+        direct = traffic(plain.url, 120, seed=3)
+    assert [r[:4] for r in through_ray] == [r[:4] for r in direct]
+    assert [r[4] for r in through_ray] == [r[4] for r in direct]  # token ids and texts, streamed or not
+    # tuneport's limits in Ray's proxy: the head's headers and a chunked body counted as it arrives
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nX-Filler: {'a' * 65536}\r\n\r\n".encode())
+        assert sock.recv(64).startswith(b"HTTP/1.1 431"), "Ray's proxy does not hold --max-header-bytes"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(64):  # 4 MiB offered, the limit 1 MiB
+                sock.sendall(b"10000\r\n" + b"a" * 65536 + b"\r\n")
+        except OSError:
+            pass
+        assert sock.recv(64).startswith(b"HTTP/1.1 413")
 
 
 def test_mixed_traffic_on_two_replicas_routes_each_adapter_to_its_replica(cluster, bundle):

@@ -6,5 +6,6 @@
 - :mod:`.replica`: one engine and its adapter pool per replica; a request's adapter is its multiplexed model id;
 - :mod:`.router`: the :class:`~tuneport.serve.backend.Backend` the ingress's gateway answers through;
 - :mod:`.app`: the application builder (``import_path`` of the Serve config);
-- :mod:`.server`: start or join a cluster, deploy, serve until stopped.
+- :mod:`.server`: start or join a cluster, deploy, serve until stopped;
+- :mod:`.proxy`: tuneport's HTTP limits in Ray Serve's own proxy (Ray's proxy callback).
 """

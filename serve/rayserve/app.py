@@ -29,7 +29,7 @@ class OpenAIIngress:
         roots = [p for p in [opts.adapter_dir] if p is not None]
         roots += [resolve_adapter_path(p) for p in opts.adapters.values()]
         self.router = ReplicaRouter(info, replicas, catalog, [Path(r) for r in roots], list(opts.adapters),
-                                    multiplex=multiplex)
+                                    multiplex=multiplex, adapter_dir=opts.adapter_dir)
         self.router.live = await catalog.live.remote()
         self.router._watch = asyncio.get_running_loop().create_task(self.router.watch())
 
@@ -43,10 +43,12 @@ class OpenAIIngress:
             self.router.close()
 
 
-def build(args: dict, multiplex: bool = True) -> Application:
+def build(args: dict) -> Application:
     """The application for ``args = {"options": ServeOptions fields}`` (engine decided; see
-    :func:`.config.app_options`). ``multiplex=False`` sends requests to any replica (Ray's default routing), for
-    comparing adapter loads."""
+    :func:`.config.app_options`): Ray Serve's application builder, one parameter (``serve deploy`` and ``serve run``
+    call it with the config's ``args``). ``"multiplex": False`` in ``args`` sends requests to any replica (Ray's
+    default routing), for comparing adapter loads."""
+    multiplex = bool(args.get("multiplex", True))
     opts = ServeOptions(**args["options"])
     settings = deployment_settings(opts)
     catalog = serve.deployment(AdapterCatalog).options(**settings[CATALOG]).bind()

@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..options import RAY_ONLY, ServeOptions
+from .proxy import proxy_environment
 
 APP_NAME = "tuneport"
 IMPORT_PATH = "tuneport.serve.rayserve.app:build"
@@ -67,9 +68,11 @@ def deployment_settings(opts: ServeOptions) -> dict[str, dict]:
             "metrics_interval_s": 1.0, "look_back_period_s": 5.0}
     else:
         replica["num_replicas"] = opts.replicas
-    light = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1000,
-             "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S}
-    return {INGRESS: {"name": INGRESS, **light}, REPLICA: replica, CATALOG: {"name": CATALOG, **light}}
+    def light(name: str) -> dict:  # a dict each: YAML would write a shared one as an anchor and an alias
+        return {"name": name, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1000,
+                "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S}
+
+    return {INGRESS: light(INGRESS), REPLICA: replica, CATALOG: light(CATALOG)}
 
 
 def serve_config(opts: ServeOptions, engine: str) -> dict:
@@ -98,8 +101,10 @@ def rayservice_manifest(opts: ServeOptions, engine: str, name: str = "tuneport")
     count = opts.min_replicas if autoscaling(opts) else opts.replicas
     most = opts.max_replicas if autoscaling(opts) else opts.replicas
 
-    def pod(container: str, resources: dict) -> dict:
-        return {"spec": {"containers": [{"name": container, "image": image, "resources": resources,
+    env = [{"name": k, "value": v} for k, v in proxy_environment(opts.http_limits()).items()]
+
+    def pod(container: str, resources: dict) -> dict:  # every node runs a Serve proxy: each gets the limits
+        return {"spec": {"containers": [{"name": container, "image": image, "resources": resources, "env": env,
                                          "ports": [{"containerPort": 8000, "name": "serve"}]
                                          if container == "ray-head" else []}]}}
 

@@ -34,11 +34,11 @@ def _gone(e: Exception) -> ApiError:
 
 class ReplicaRouter(Backend):
     def __init__(self, info: dict, replicas, catalog, allowed_roots: list[Path], startup: list[str],
-                 multiplex: bool = True) -> None:
+                 multiplex: bool = True, adapter_dir: Path | None = None) -> None:
         self.engine = info["engine"]
         self.weighted_mixes = info["weighted_mixes"]
         self.default_max_tokens = info["default_max_tokens"]
-        super().__init__(info["name"], info["max_adapters"])
+        super().__init__(info["name"], info["max_adapters"], adapter_dir)  # its pool only answers on_demand()
         self.created = info["created"]
         self.replicas, self.catalog, self.multiplex = replicas, catalog, multiplex
         self.allowed_roots, self.startup = allowed_roots, startup
@@ -105,6 +105,13 @@ class ReplicaRouter(Backend):
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
         finally:
             events.cancel()
+
+    def check_model(self, body: dict) -> None:
+        """404 before a replica is asked: an adapter no replica holds, none was loaded through the admin API or at
+        start-up, and ``--adapter-dir`` does not hold."""
+        for name in self.adapters_for(body):
+            if name not in self.adapter_names() and self.pool.on_demand(name) is None:
+                raise PoolError(f"adapter {name!r} is not loaded", "load it first (POST /v1/adapters)", status=404)
 
     @classmethod
     def from_options(cls, opts) -> ReplicaRouter:

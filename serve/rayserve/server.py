@@ -14,6 +14,7 @@ from tuneport.convert.errors import UserError
 from ..engines.child import free_port
 from ..options import ServeOptions
 from .config import APP_NAME, autoscaling
+from .proxy import proxy_environment
 
 log = logging.getLogger("tuneport.serve")
 INSTALL_HINT = "pip install 'tuneport[ray]' (Ray Serve 2.60.0)"
@@ -104,6 +105,8 @@ class RayServer:
             check_resources(opts, os.cpu_count() or 1, detect_hardware().n_gpus, "this machine")
         if not ray.is_initialized():
             quiet = logging.getLogger("tuneport").getEffectiveLevel() > logging.DEBUG
+            if opts.ray_address is None:  # the cluster started here inherits them: its HTTP proxy holds our limits
+                os.environ.update(proxy_environment(opts.http_limits()))
             ray.init(address=opts.ray_address, include_dashboard=False, log_to_driver=not quiet,
                      logging_level=logging.WARNING, configure_logging=True)
             self._started_ray = opts.ray_address is None
@@ -112,8 +115,8 @@ class RayServer:
             check_resources(opts, resources.get("CPU", 0), resources.get("GPU", 0), "the Ray cluster")
         port = _serve_port(opts)
         try:
-            serve.run(build({"options": app_options(opts, engine)}, multiplex), name=APP_NAME, route_prefix="/",
-                      blocking=False)
+            serve.run(build({"options": app_options(opts, engine), "multiplex": multiplex}), name=APP_NAME,
+                      route_prefix="/", blocking=False)
         except Exception as e:  # a replica that could not start: Ray's message names the engine's error
             why = deploy_failure(e)
             self._shutdown()
