@@ -1,5 +1,5 @@
-"""The connection limits of ``tuneport serve``'s own HTTP server: uvicorn's h11 protocol, held to
-:class:`~.limits.HttpLimits` however a client frames or paces what it sends.
+"""The connection limits of ``tuneport serve``'s own HTTP server: uvicorn's HTTP protocol (httptools or h11) held to
+:class:`~tuneport.serve.limits.HttpLimits`, however a client frames or paces what it sends.
 
 - **Headers**: the request line and headers within ``max_header_bytes`` (431) and, on a new connection, within
   ``header_timeout_s`` (408 when part of a request came, else closed): one byte a second holds nothing.
@@ -12,18 +12,24 @@
 - **Connections**: at most ``max_connections`` open; a new one past that closes the longest-idle connections
   (no request in progress) to make room, and only when every one is busy is it refused (503).
 
-The h11 protocol is used (not httptools) because h11 bounds what it buffers of a request head.
+Both of uvicorn's HTTP implementations hold them: httptools (llhttp) where it is installed, h11 otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed: h11 serves alone
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from tuneport.convert.errors import UserError
 
@@ -43,16 +49,11 @@ def raw_error(status: int, reason: str, message: str, retry_after: int | None = 
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with :class:`HttpLimits` on each connection (a subclass per limits: see
-    :func:`protocol_for`)."""
+class ConnectionLimits:
+    """:class:`HttpLimits` on each connection of a uvicorn HTTP protocol (mixed in before it; a subclass per limits:
+    see :func:`protocol_for`). The protocol supplies how a request head is counted (``data_received``)."""
 
     limits: HttpLimits = HttpLimits()
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        # h11 bounds what it buffers of a request head a little above ours: a backstop for data_received's check
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes + 4096)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -113,22 +114,9 @@ class LimitedH11Protocol(H11Protocol):
             self._stalled = None
         super().connection_lost(exc)
 
-    # -- reading --------------------------------------------------------------------------------------
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:  # a request head is arriving
-            before = self._head_bytes
-            self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_header_bytes:
-                end = (self._tail + data).find(b"\r\n\r\n")  # where the head ends, if it does in this data
-                if end < 0 or before - len(self._tail) + end + 4 > self.limits.max_header_bytes:
-                    self._close_with(raw_error(431, "Request Header Fields Too Large", "the request line and "
-                                               f"headers are over this server's limit of "
-                                               f"{self.limits.max_header_bytes} bytes (--max-header-bytes)"))
-                    return
-            self._tail = data[-3:]
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self._head_bytes, self._tail = 0, b""
+    def _head_too_large(self) -> None:
+        self._close_with(raw_error(431, "Request Header Fields Too Large", "the request line and headers are over "
+                                   f"this server's limit of {self.limits.max_header_bytes} bytes (--max-header-bytes)"))
 
     # -- writing --------------------------------------------------------------------------------------
     def pause_writing(self) -> None:
@@ -152,7 +140,7 @@ class LimitedH11Protocol(H11Protocol):
     def _make_room(self) -> None:
         """Past ``max_connections``: close the longest-idle connections; refuse this one (503) if none is idle."""
         excess = len(self.connections) - self.limits.max_connections
-        idle = sorted((c for c in self.connections if c is not self and isinstance(c, LimitedH11Protocol)
+        idle = sorted((c for c in self.connections if c is not self and isinstance(c, ConnectionLimits)
                        and c.is_idle() and not c.transport.is_closing()), key=lambda c: c.idle_since)
         for other in idle[:excess]:
             other._close_with(b"")
@@ -165,9 +153,85 @@ class LimitedH11Protocol(H11Protocol):
             self.connections.discard(self)
 
 
-def protocol_for(limits: HttpLimits) -> type[LimitedH11Protocol]:
+class LimitedH11Protocol(ConnectionLimits, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the limits: h11 itself bounds what it buffers of a head."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # h11 bounds what it buffers of a request head a little above ours: a backstop for data_received's check
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes + 4096)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # a request head is arriving
+            before = self._head_bytes
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                end = (self._tail + data).find(b"\r\n\r\n")  # where the head ends, if it does in this data
+                if end < 0 or before - len(self._tail) + end + 4 > self.limits.max_header_bytes:
+                    return self._head_too_large()
+            self._tail = data[-3:]
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._head_bytes, self._tail = 0, b""
+
+
+class HeadTooLarge(Exception):
+    """Raised in llhttp's callback to stop it at a request head over the limit (no request begins)."""
+
+
+if HttpToolsProtocol is not None:
+    class LimitedHttpToolsProtocol(ConnectionLimits, HttpToolsProtocol):
+        """uvicorn's httptools protocol (llhttp, in C: a stream's events cost a fifth of h11's) with the limits. It
+        buffers a request head without a bound of its own, so the bytes received while a head is open are counted
+        here, and a head that arrived whole is measured once parsed."""
+
+        _in_body = False  # between a request's head and its end
+        _head_done = False  # a head was parsed during the current data_received
+        _head_refused = False
+
+        def data_received(self, data: bytes) -> None:
+            if not self._in_body:
+                self._head_bytes += len(data)
+            self._head_done = False
+            super().data_received(data)
+            if self._head_done:
+                self._head_bytes = 0
+            elif not self._in_body and self._head_bytes > self.limits.max_header_bytes \
+                    and not self.transport.is_closing():
+                self._head_too_large()
+
+        def on_headers_complete(self) -> None:
+            if len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) > self.limits.max_header_bytes:
+                self._head_refused = True
+                raise HeadTooLarge  # uvicorn answers a parser error through send_400_response: 431 there
+            self._head_done, self._in_body = True, True
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if self._head_refused:
+                return self._head_too_large()
+            super().send_400_response(msg)
+
+
+def http_protocol() -> str:
+    """The HTTP implementation served: "httptools" where it is installed (faster), else "h11";
+    ``TUNEPORT_HTTP_PROTOCOL`` picks one (both hold the same limits)."""
+    asked = os.environ.get("TUNEPORT_HTTP_PROTOCOL", "auto")
+    if asked not in ("auto", "h11", "httptools"):
+        raise UserError(f"TUNEPORT_HTTP_PROTOCOL={asked} is not one of auto, h11, httptools", "unset it")
+    if asked == "httptools" and HttpToolsProtocol is None:
+        raise UserError("TUNEPORT_HTTP_PROTOCOL=httptools, but httptools is not installed", "pip install httptools")
+    return asked if asked != "auto" else "h11" if HttpToolsProtocol is None else "httptools"
+
+
+def protocol_for(limits: HttpLimits) -> type[ConnectionLimits]:
     """The protocol class uvicorn instantiates per connection, with ``limits``."""
-    return type("GatewayH11Protocol", (LimitedH11Protocol,), {"limits": limits})
+    base = LimitedHttpToolsProtocol if http_protocol() == "httptools" else LimitedH11Protocol
+    return type("GatewayProtocol", (base,), {"limits": limits})
 
 
 def uvicorn_settings(limits: HttpLimits) -> dict:
