@@ -76,10 +76,44 @@ def test_a_real_tokenizer_in_llamacpp_equals_hf(family: Family, tmp_path, cli):
         ollama = f"Modelfile template = HF on {sum(same)}/{len(same)} single-turn chats"
         if family.ollama_exact:
             assert all(same), first
+    bound = check_prompt_byte_bound(tok, base, next(out.glob("*.gguf")))
     row = f"  {family.name} ({family.source}): " + ", ".join(
         f"{k} {'=' if v['passed'] else 'differs' if v['passed'] is False else 'n/a'}"
         for k, v in check.items() if isinstance(v, dict)) + f"; {ollama}"
     if check.get("different_strings"):
         row += f"; differing strings: {check['different_strings']}"
+    row += f"; longest token {bound} bytes"
     RESULTS.append(row)
     print("\n" + row)
+
+
+# Texts that pack the most bytes into the fewest tokens: runs a vocabulary has long tokens for.
+DENSE = [" " * 4000, "\n" * 4000, "=" * 4000, "-" * 4000, "\t" * 4000, "the " * 1000, "a" * 4000, "0" * 4000,
+         "    return self\n" * 200, "ｆｕｌｌｗｉｄｔｈ" * 300, "한국어" * 500, "<|endoftext|>" * 300, "😀" * 1000]
+
+
+def check_prompt_byte_bound(tok, base, gguf) -> int:
+    """The bound ``serve`` refuses a prompt's bytes by (context x longest token x 4) is sound for this tokenizer:
+    the longest token from the HF tokenizer, from its tokenizer.json alone (vLLM) and from llama.cpp's vocabulary
+    is at least the bytes any one token stands for, and no dense text is fewer tokens than its bytes / (that x 4)."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    from tuneport.serve.backend import NORMALIZATION_SLACK
+    from tuneport.serve.engines.hf_text import HfText, token_bytes, tokenizer_file_bound
+    from tuneport.serve.engines.llamacpp_vocab import Vocabulary
+
+    hf = HfText(tok).token_bytes_bound()
+    from_file = tokenizer_file_bound(base / "tokenizer.json")
+    llm = Llama(str(gguf), vocab_only=True, verbose=False)
+    vocab = Vocabulary()  # the engine's vocabulary part, over this model's
+    vocab.lc, vocab.vocab, vocab.n_vocab = llama_cpp, llm._model.vocab, llm.n_vocab()
+    llama = vocab.longest_piece()
+    llm.close()
+    true = max(len(b) for b in token_bytes(tok))
+    true = max(true, *(len(t.encode()) for t in tok.get_added_vocab()))
+    assert min(hf, from_file, llama) >= true, (hf, from_file, llama, true)
+    for text in DENSE:
+        for bound in (hf, from_file, llama):
+            assert len(tok.encode(text, add_special_tokens=False)) * bound * NORMALIZATION_SLACK >= len(text.encode())
+    return min(hf, from_file, llama)

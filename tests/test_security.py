@@ -217,3 +217,40 @@ def test_limits_on_the_command_line(zoo, cli, tmp_path):
     argv = " ".join(plan["commands"][0]["argv"])  # the printed command keeps every guard
     for flag in ("--admin-key-file", "--max-tokens-limit 64", "--max-prompt-tokens 96", "--max-concurrent-per-key 4"):
         assert flag in argv, argv
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-body-bytes", "0", "--max-body-bytes must be at least 1"),
+    ("--max-connections", "0", "--max-connections must be at least 1"),
+    ("--body-timeout", "0", "--body-timeout must be above 0 seconds"),
+    ("--header-timeout", "-1", "--header-timeout must be above 0 seconds"),
+    ("--send-timeout", "nan", "--send-timeout must be above 0 seconds")])
+def test_bad_http_limits_exit_2(zoo, cli, flag, value, message):
+    code, out, err = cli("serve", "--base", zoo.base("llama"), "--engine", "llamacpp", flag, value, "--dry-run")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == "", err
+
+
+def test_http_limits_reach_the_printed_command_and_the_server(zoo, monkeypatch):
+    plan = tuneport.serve_plan(base=zoo.base("llama"), engine="llamacpp", max_body_bytes=4096, body_timeout_s=7.5,
+                               max_connections=64)
+    argv = " ".join(plan["commands"][0]["argv"])
+    assert "--max-body-bytes 4096" in argv and "--body-timeout 7.5" in argv and "--max-connections 64" in argv
+    assert "--send-timeout" not in argv  # defaults are not repeated
+    from tuneport.serve.gateway.connections import ensure_file_descriptors, protocol_for, uvicorn_settings
+    from tuneport.serve.limits import HttpLimits
+    from tuneport.serve.options import ServeOptions
+
+    limits = ServeOptions(base=zoo.base("llama"), max_header_bytes=2048, idle_timeout_s=3).http_limits()
+    settings = uvicorn_settings(limits)
+    assert settings["http"].limits is limits and settings["timeout_keep_alive"] == 3
+    assert protocol_for(HttpLimits()).limits == HttpLimits()
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 2048))
+    raised = []
+    monkeypatch.setattr(resource, "setrlimit", lambda _, value: raised.append(value))
+    ensure_file_descriptors(HttpLimits(max_connections=1500))  # needs 1564: the soft limit is raised to the hard
+    assert raised == [(2048, 2048)]
+    with pytest.raises(tuneport.UserError, match="--max-connections 4000 needs 4064 open files, but this process may "
+                                                 "open at most 2048"):
+        ensure_file_descriptors(HttpLimits(max_connections=4000))
