@@ -133,7 +133,8 @@ def pytest_configure(config):
 # The modules that take longest in CI (--durations, serial: 380 s down to 75 s), run first: with `make test`'s two
 # workers each module is one unit of work, and starting the long ones first leaves short ones for the end.
 LONGEST_FIRST = ("test_awq", "test_vllm_export", "test_soak", "test_real_model", "test_multimodal", "test_release",
-                 "test_faults", "test_engine_faults", "test_mlx_export", "test_serve_vllm", "test_real_tokenizers",
+                 "test_faults", "test_engine_faults", "test_mlx_export", "test_serve_vllm", "test_hostile_clients",
+                 "test_real_tokenizers",
                  "test_real_configs", "test_exl3")
 
 
