@@ -23,7 +23,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests"))  # the suite itself: one definition of every case
 from _util import machine, table  # noqa: E402
-from hostile import CASES, MIB, ServeProcess, Target, normal_answer, run_case  # noqa: E402
+from hostile import CASES, MIB, ServeProcess, Target, normal_answer, run_case, warm_up  # noqa: E402
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (_HERE, _HERE.parent / "tests")]
 
@@ -105,6 +105,7 @@ def main() -> None:
                       header_timeout_s=2, send_timeout_s=2, flood_cap=args.baseline_flood_mib * MIB)
         rows, ours = [], {}
         for target in (gateway, vllm):
+            warm_up(target)
             target.normal_answer = normal_answer(target)
         for case in CASES:
             a, b = run_case(gateway, case), run_case(vllm, case)

@@ -43,6 +43,7 @@ class Target:
     local_server: bool = True  # tuneport's own HTTP server (on Ray, Ray's proxy holds the connections)
     normal_answer: str = ""
     flood_cap: int | None = None  # the most bytes a flood case offers (a baseline that reads bodies whole)
+    choices: int = 8  # the most choices (n) a request may ask for (MLX: 1; its context must then hold 1,600 tokens)
 
     def rss_mb(self) -> float:
         total = 0
@@ -342,7 +343,8 @@ def lying_length_short(target: Target) -> tuple[str, float, str]:
             second = str(reader.answer()[0])
         except Closed as e:
             second = str(e)
-    return f"{first}, then {second}", (time.perf_counter() - start) * 1000, "the declared bytes answered"
+    return f"{first}, then {second}", (time.perf_counter() - start) * 1000, "a request, then 30 bytes past its " \
+        "Content-Length"
 
 
 def lying_length_long(target: Target) -> tuple[str, float, str]:
@@ -437,32 +439,66 @@ def gone_mid_stream(target: Target) -> tuple[str, float, str]:
     return "-", (time.perf_counter() - start) * 1000, "20 streams, each dropped after its first event"
 
 
+def server_side_state(target: Target, client: socket.socket) -> str | None:
+    """The TCP state of the server's end of ``client``'s connection, from /proc/net/tcp* (Linux): "01" while it is
+    established, "04" once the server closed it with data still queued (FIN_WAIT1), None once it is gone."""
+    client_port = client.getsockname()[1]
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, remote, state = line.split()[1:4]
+            if int(local.rsplit(":", 1)[1], 16) == target.port and int(remote.rsplit(":", 1)[1], 16) == client_port:
+                return state
+    return None
+
+
+def long_stream(target: Target) -> bytes:
+    """The request of :func:`stalled_reader`: 1,600 tokens in ``target.choices`` choices, 20 alternatives each."""
+    return json.dumps(completion(target.model, max_tokens=1600 // target.choices, stream=True, ignore_eos=True,
+                                 logprobs=20, n=target.choices, temperature=1.0, seed=0)).encode()  # vLLM: n>1 sampled
+
+
+def warm_up(target: Target) -> None:
+    """The long stream read whole once, so that the engine's own memory for 1,600 tokens is not counted in a case."""
+    status, _ = request(target, long_stream(target))
+    assert status == 200, f"the long stream was refused ({status})"
+
+
 def stalled_reader(target: Target) -> tuple[str, float, str]:
-    """A stream of large events that the client never reads, its receive buffer 4 KiB: the server must drop it
-    (after --send-timeout) instead of queueing its answer."""
-    body = json.dumps(completion(target.model, max_tokens=200, stream=True, ignore_eos=True, logprobs=20,
-                                 n=8)).encode()
+    """A stream of large events (1,600 tokens in 8 choices, 20 alternatives each: ~1 MB) that the client does not
+    read, its receive buffer 4 KiB, until the server lets go of the connection (or a minute passes): the server
+    must drop it at --send-timeout instead of holding its answer (and its sequences) for ever."""
+    body = long_stream(target)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(target.send_timeout_s + 60)
     sock.connect((target.host, target.port))
     start = time.perf_counter()
     sock.sendall(head("POST", "/v1/completions", length=len(body)) + body)
-    time.sleep(target.send_timeout_s + 2)
-    received, tail = 0, b""
-    try:  # now read: the server should have given up on it (the stream ends early, or the socket is reset)
+    give_up = time.monotonic() + target.send_timeout_s + 60
+    while server_side_state(target, sock) == "01" and time.monotonic() < give_up:
+        time.sleep(0.2)
+    let_go = (time.perf_counter() - start) * 1000
+    received, tail, first = 0, b"", b""
+    try:  # now read what came: the whole answer, or the part the server had sent when it let go
         while True:
             data = sock.recv(65536)
             if not data:
                 break
+            first = first or data[:16]
+            if not first.startswith(b"HTTP/1.1 200"):  # refused: not the case this is about
+                return first[9:12].decode(), let_go, "the request was refused"
             received, tail = received + len(data), (tail + data)[-32:]
             if tail.endswith(b"\r\n0\r\n\r\n"):  # the last chunk: the whole answer came
-                return "whole answer", (time.perf_counter() - start) * 1000, f"{received} bytes"
+                return "whole answer", let_go, f"all {received} bytes came"
     except (ConnectionResetError, TimeoutError):
         pass
     finally:
         sock.close()
-    return "disconnected", (time.perf_counter() - start) * 1000, f"{received} bytes read afterwards"
+    return "disconnected", let_go, f"{received} bytes came before the server let go"
 
 
 def idle_connections(target: Target, count: int = 1100) -> tuple[str, float, str]:
@@ -583,6 +619,7 @@ def run_case(target: Target, case: Case) -> Outcome:
 
 
 def run_suite(target: Target, cases: list[Case] = CASES) -> list[Outcome]:
+    warm_up(target)
     target.normal_answer = target.normal_answer or normal_answer(target)
     return [run_case(target, case) for case in cases]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from hostile import CASES, Case, ServeProcess, Target, normal_answer, run_case, table
+from hostile import CASES, Case, ServeProcess, Target, normal_answer, run_case, table, warm_up
 from tests_helpers import free_port
 
 # short timeouts so that the slow-client cases end in seconds (the defaults are 60 s / 10 s / 5 s / 60 s)
@@ -22,7 +22,7 @@ TIMEOUTS = {"--body-timeout": "2", "--header-timeout": "2", "--idle-timeout": "2
 ENGINE_ARGS = {
     "llamacpp": ["--engine", "llamacpp", "--n-ctx", "256"],
     "llamacpp-h11": ["--engine", "llamacpp", "--n-ctx", "256"],
-    "mlx": ["--engine", "mlx", "--n-ctx", "256"],
+    "mlx": ["--engine", "mlx", "--n-ctx", "2048"],  # one choice per request: the long stream in one
     "vllm": ["--engine", "vllm", "--dtype", "fp32", "--max-model-len", "256", "--", "--enforce-eager",
              "--max-num-seqs", "8"],
     "ray": ["--engine", "llamacpp", "--n-ctx", "256", "--on", "ray", "--cpus-per-replica", "1"],
@@ -58,9 +58,10 @@ def target(request, zoo, tmp_path_factory):
     for flag, value in TIMEOUTS.items():
         args += [flag, value]
     engine_args = ENGINE_ARGS[engine]
-    if "--" in engine_args:
+    if "--" in engine_args:  # vLLM: its log, and a port of its own (not --port + 1, which may be taken)
         cut = engine_args.index("--")
-        args += engine_args[:cut] + ["--log-file", str(root / "engine.log")] + engine_args[cut:]
+        args += engine_args[:cut] + ["--log-file", str(root / "engine.log"), "--engine-port", str(free_port())]
+        args += engine_args[cut:]
     else:
         args += engine_args
     env = dict(os.environ)
@@ -72,7 +73,9 @@ def target(request, zoo, tmp_path_factory):
     except RuntimeError as e:
         pytest.fail(str(e))
     t = Target("127.0.0.1", int(server.url.rsplit(":", 1)[1]), watched_pids(engine, server.proc), server.model(),
-               body_timeout_s=2, header_timeout_s=2, send_timeout_s=2, local_server=engine != "ray")
+               body_timeout_s=2, header_timeout_s=2, send_timeout_s=2, local_server=engine != "ray",
+               choices=1 if engine == "mlx" else 8)
+    warm_up(t)
     t.normal_answer = normal_answer(t)
     t.engine = engine  # type: ignore[attr-defined]
     t.rows = []  # type: ignore[attr-defined]

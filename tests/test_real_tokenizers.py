@@ -112,8 +112,9 @@ def check_prompt_byte_bound(tok, base, gguf) -> int:
     llm.close()
     true = max(len(b) for b in token_bytes(tok))
     true = max(true, *(len(t.encode()) for t in tok.get_added_vocab()))
-    assert min(hf, from_file, llama) >= true, (hf, from_file, llama, true)
+    bounds = [b for b in (hf, from_file, llama) if b is not None]  # no tokenizer.json: vLLM's gateway sets no bound
+    assert min(bounds) >= true, (hf, from_file, llama, true)
     for text in DENSE:
-        for bound in (hf, from_file, llama):
+        for bound in bounds:
             assert len(tok.encode(text, add_special_tokens=False)) * bound * NORMALIZATION_SLACK >= len(text.encode())
-    return min(hf, from_file, llama)
+    return min(bounds)

@@ -104,7 +104,8 @@ class InFlightLimit:
 
 class AccessLog:
     """One ``tuneport.access`` INFO line per request once its answer is complete (streams included):
-    client, method, path, status, model/adapter, prompt and completion tokens, milliseconds."""
+    client, method, path, status, model/adapter, prompt and completion tokens, milliseconds. A request left before
+    any answer (a client gone mid-body) is logged 499, as nginx does."""
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -114,7 +115,7 @@ class AccessLog:
             return await self.app(scope, receive, send)
         record = AccessRecord()
         scope.setdefault("state", {})["access"] = record
-        start, status, done = time.perf_counter(), 500, False
+        start, status, done, started = time.perf_counter(), 500, False, False
 
         def finish() -> None:
             nonlocal done
@@ -134,14 +135,16 @@ class AccessLog:
                             record.usage.completion_tokens, ms)
 
         async def send_and_watch(message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 finish()
 
         try:
             await self.app(scope, receive, send_and_watch)
+            if not started:
+                status = 499  # no answer: the client went away first (nginx's "client closed request")
         finally:
-            finish()  # an exception or a client gone mid-stream
+            finish()  # an exception (500) or a client gone mid-stream
