@@ -181,9 +181,9 @@ class HeadTooLarge(Exception):
 
 if HttpToolsProtocol is not None:
     class LimitedHttpToolsProtocol(ConnectionLimits, HttpToolsProtocol):
-        """uvicorn's httptools protocol (llhttp, in C: a stream's events cost a fifth of h11's) with the limits. It
-        buffers a request head without a bound of its own, so the bytes received while a head is open are counted
-        here, and a head that arrived whole is measured once parsed."""
+        """uvicorn's httptools protocol (llhttp, in C: cheaper per request than h11, docs/benchmarks.md) with the
+        limits. It buffers a request head without a bound of its own, so the bytes received while a head is open are
+        counted here, and a head that arrived whole is measured once parsed."""
 
         _in_body = False  # between a request's head and its end
         _head_done = False  # a head was parsed during the current data_received
