@@ -128,16 +128,17 @@ def special_tokens_parity(artifact: dict[str, int | bool | None], tok) -> Check:
 
 def special_token_types(types: list[int], parse, tok) -> Check:
     """Every token HF adds on top of its model (``added_tokens_decoder``): the artifact's token type (llama.cpp's:
-    3 control for special ones, 4 user-defined for the others) and ``parse(content)`` (special tokens parsed,
-    nothing added) giving that one token, as HF parses it (a special token written as a normal one would split
-    into pieces)."""
-    control, user_defined = 3, 4
+    3 control for special ones, 4 user-defined or 1 normal for the others) and ``parse(content)`` (special tokens
+    parsed, nothing added) giving that one token, as HF parses it (a special token written as a normal one would
+    split into pieces)."""
+    normal, control, user_defined = 1, 3, 4
     wrong = []
     for tid, added in sorted(tok.added_tokens_decoder.items()):
         if tid >= len(types):
             continue
-        want = control if added.special else user_defined
-        if types[tid] != want:
+        # a non-special added token the model's merges make anyway may be an ordinary piece (normal)
+        want = (control,) if added.special else (user_defined, normal)
+        if types[tid] not in want:
             wrong.append(f"{added.content!r} ({tid}) is type {types[tid]}, HF treats it as "
                          f"{'control' if added.special else 'user-defined'}")
         elif (got := parse(added.content)) != [tid]:

@@ -329,7 +329,8 @@ def refused(cli, out, *args, expect: str) -> str:
 
 def test_bad_input(zoo, tmp_path, cli):
     base = tmp_path / "base"
-    shutil.copytree(zoo.base("qwen2"), base)
+    # SmolLM3's tokenizer runs the file's pre-tokenizer (transformers 5 rebuilds Qwen2's own, by model type)
+    shutil.copytree(zoo.base("smollm3"), base)
     tj = json.loads((base / "tokenizer.json").read_text())
     tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\w+|\s+"
     (base / "tokenizer.json").write_text(json.dumps(tj))
@@ -473,11 +474,26 @@ def test_the_manifest_records_the_load_check(zoo, tmp_path, cli):
     assert manifest["load_check"] == "loaded by llama.cpp: 2 model(s), 1 adapter(s)", (res, manifest.keys())
 
 
-def test_a_sentencepiece_tokenizer_without_its_model_file_says_so(zoo, tmp_path, cli):
-    """Only tokenizer.json of a SentencePiece tokenizer (as a GGUF-derived or pruned download has it): refused
-    naming the missing tokenizer.model, not with a BPE pre-tokenizer hint."""
+def test_a_sentencepiece_tokenizer_saved_without_its_model_file_exports_the_same_vocabulary(zoo, tmp_path, cli):
+    """transformers 5 saves a SentencePiece tokenizer as tokenizer.json + tokenizer_config.json only: the GGUF
+    vocabulary written from that equals the one written beside tokenizer.model (every token, type, score and
+    tokenizer key), and llama.cpp tokenizes the battery as transformers does."""
+    from transformers import AutoTokenizer
+
+    from tuneport.convert.gguf.read import open_gguf
+
     base = tmp_path / "base"
     shutil.copytree(zoo.base("llama"), base)
-    (base / "tokenizer.model").unlink()
-    refused(cli, tmp_path / "out", "--base", base, "--quant", "f32",
-            expect="is SentencePiece (byte fallback, ▁ for spaces) but its tokenizer.model is missing")
+    saved = tmp_path / "saved"
+    shutil.copytree(base, saved)
+    for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (saved / f).unlink(missing_ok=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(saved)
+    assert not (saved / "tokenizer.model").exists() and (saved / "tokenizer.json").exists()
+    fields = []
+    for model in (base, saved):
+        res = export(cli, "--base", model, "--quant", "f32", "--out", tmp_path / f"{model.name}-gguf")
+        assert res["tokenizer_check"]["passed"], res["tokenizer_check"]
+        reader = open_gguf(next((tmp_path / f"{model.name}-gguf").glob("*.gguf")))
+        fields.append({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+    assert fields[0] == fields[1]

@@ -55,7 +55,9 @@ def test_a_real_tokenizer_in_llamacpp_equals_hf(family: Family, tmp_path, cli):
         check = result["tokenizer_check"]
         assert not check["passed"] and any(n.startswith("accepted risk (--accept-tokenizer-difference)")
                                            for n in result["notes"])
-        assert json.loads((out / "manifest.json").read_text())["options"]["accept_tokenizer_difference"] is True
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["options"]["accept_tokenizer_difference"] is True and manifest["hf_tokenizer"]
+        check_served_tokens(next(out.glob("*.gguf")), AutoTokenizer.from_pretrained(base))
     else:
         assert code == 0, err
         check = json.loads(stdout)["tokenizer_check"]
@@ -85,6 +87,26 @@ def test_a_real_tokenizer_in_llamacpp_equals_hf(family: Family, tmp_path, cli):
     row += f"; longest token {bound} bytes"
     RESULTS.append(row)
     print("\n" + row)
+
+
+def check_served_tokens(gguf, tok) -> None:
+    """``tuneport serve`` on a GGUF whose vocabulary tokenizes some texts differently (exported with
+    --accept-tokenizer-difference) tokenizes with the HF tokenizer kept beside it: the battery and the chats give
+    transformers' ids, so the engine answers from the prompt transformers would."""
+    from tuneport.convert.tokenizer_parity import CHATS, TOKENIZER_BATTERY
+    from tuneport.serve.backends.llamacpp import LlamaCppBackend
+
+    backend = LlamaCppBackend(gguf, n_ctx=512)
+    try:
+        assert backend.describe()["tokenizer"].startswith("hf")
+        for text in TOKENIZER_BATTERY:
+            assert backend.tokenize(text) == tok(text).input_ids, text
+        if tok.chat_template:
+            for chat in CHATS:
+                text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+                assert backend.chat_tokens(chat) == tok(text, add_special_tokens=False).input_ids, chat
+    finally:
+        backend.close()
 
 
 # Texts that pack the most bytes into the fewest tokens: runs a vocabulary has long tokens for.

@@ -24,7 +24,7 @@ from .quant_types import QUANT_TYPES, QuantType, parse_quant_list
 from .quantize import IMATRIX_HINT, quantize_with_llamacpp
 from .runtime import check_loads
 from .tokenizer_check import TokenizerReport, check_gguf_tokenizer
-from .vocab import GGUFVocab, general_name, read_vocab
+from .vocab import HF_TOKENIZER_DIR, GGUFVocab, general_name, read_vocab
 
 log = logging.getLogger(__name__)
 LOSSLESS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -82,8 +82,9 @@ def check_tokenizer(model: Path, tok_dir: Path, vocab: GGUFVocab, accept: bool, 
     report = check_gguf_tokenizer(model, AutoTokenizer.from_pretrained(tok_dir), vocab.inexact)
     if report is not None and not report.passed and not accept:
         raise UserError(f"llama.cpp would tokenize differently from the tokenizer in {shown}: {report.failure()}",
-                        "pass --accept-tokenizer-difference to write the GGUF anyway (recorded in its manifest), or "
-                        "export --target mlx or vllm, which run the HF tokenizer")
+                        "pass --accept-tokenizer-difference to write the GGUF anyway (recorded in its manifest; "
+                        "tuneport serve then tokenizes prompts with the HF tokenizer, kept beside it, so its answers "
+                        "are exact), or export --target mlx or vllm, which run the HF tokenizer")
     return report
 
 
@@ -114,6 +115,9 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         tok_dir = scratch / "tokenizer"
         tok_dir.mkdir(parents=True)
         copy_side_files(plan, tok_dir)
+        # transformers picks tokenizer behaviour by the model type too (Mistral's): the tokenizer checked, and the
+        # one serve uses, is the model directory's
+        shutil.copy2(ckpt.path / "config.json", tok_dir / "config.json")
         n_vocab = plan.specs[[s.name for s in plan.specs].index(f"{arch.embed}.weight")].shape[0]
         vocab = read_vocab(tok_dir, n_vocab, opts.bpe_pre, shown=ckpt.path)
         in_file, renamed = general_name(name, vocab)
@@ -149,7 +153,9 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         if tokenizer is None:
             warnings.append("tokenizer not checked in llama.cpp: llama-cpp-python is not installed")
         elif not tokenizer.passed:
-            notes.append(f"accepted risk (--accept-tokenizer-difference): {tokenizer.failure()}")
+            notes.append(f"accepted risk (--accept-tokenizer-difference): {tokenizer.failure()}; tuneport serve "
+                         f"tokenizes prompts with the HF tokenizer kept in {HF_TOKENIZER_DIR}/")
+            shutil.copytree(tok_dir, tmp / HF_TOKENIZER_DIR)
         shutil.rmtree(scratch)
         main = quants[0]
         eos = vocab.tokens[vocab.special["eos"]] if "eos" in vocab.special else None
@@ -164,7 +170,8 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
         details = {"models": {q.name: files[q.name].name for q in quants},
                    "loras": {a: f"adapters/{p.name}" for a, p in lora_files.items()},
                    "folded_scales": {a.name: lora.folded for a, lora in loras if lora.folded},
-                   "load_check": load_check, "tokenizer_check": tokenizer.as_dict() if tokenizer else None}
+                   "load_check": load_check, "tokenizer_check": tokenizer.as_dict() if tokenizer else None,
+                   "hf_tokenizer": HF_TOKENIZER_DIR if (tmp / HF_TOKENIZER_DIR).is_dir() else None}
         if imatrix is not None:
             details["calibration"] = calibration
             details["imatrix"] = {"file": IMATRIX_FILE, **imatrix.describe(),

@@ -21,7 +21,7 @@ from .read import gguf_field, open_gguf
 from .runtime import chat_renderer, llamacpp_logging
 
 META_KEYS = ("tokenizer.chat_template", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-             "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token")
+             "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix")
 
 
 class GGUFTokenizer:
@@ -49,7 +49,23 @@ class GGUFTokenizer:
         return self.llm.tokenize(text.encode(), add_bos=False, special=True)
 
     def detokenize(self, ids: list[int]) -> str:
-        return self.llm.detokenize(ids, special=True).decode("utf-8", "replace")
+        """The pieces joined, special tokens kept, as llama.cpp's server streams them; the first one without the
+        space a SentencePiece vocabulary with ``add_space_prefix`` put before the text (llama.cpp's own
+        ``llama_detokenize`` drops it, as HF's decode does; llama-cpp-python's ``detokenize`` keeps it)."""
+        import ctypes
+
+        import llama_cpp
+
+        vocab, out = self.llm._model.vocab, b""
+        strip = 1 if self.meta["tokenizer.ggml.add_space_prefix"] else 0
+        for i, token in enumerate(ids):
+            buf = ctypes.create_string_buffer(256)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), strip if i == 0 else 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), strip if i == 0 else 0, True)
+            out += buf.raw[:n]
+        return out.decode("utf-8", "replace")
 
     def _text(self, key: str) -> str:
         tid = self.meta[key]

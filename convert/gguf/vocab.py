@@ -1,4 +1,5 @@
-"""Tokenizer -> GGUF vocabulary: SentencePiece as ``llama``, byte-level BPE as ``gpt2``.
+"""Tokenizer -> GGUF vocabulary: SentencePiece as ``llama`` (from tokenizer.model, or from tokenizer.json alone as
+transformers 5 saves it), byte-level BPE as ``gpt2``.
 
 Token types, special ids and add_bos/add_eos are taken from the tokenizer itself (loaded with
 transformers), so what llama.cpp does with the file matches what HF does with the directory.
@@ -13,6 +14,10 @@ from pathlib import Path
 
 from ..errors import UserError
 
+# Where export keeps the HF tokenizer beside a GGUF whose vocabulary tokenizes some texts differently (accepted
+# with --accept-tokenizer-difference): tuneport serve tokenizes prompts with it.
+HF_TOKENIZER_DIR = "hf-tokenizer"
+
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -23,6 +28,11 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Byte-level BPE pre-tokenizers llama.cpp knows, by the HF steps that run before ByteLevel (with
 # use_regex=True, GPT-2's built-in regex): ("Split", regex) or ("Digits", individual_digits).
 BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
@@ -31,6 +41,7 @@ BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
     "gpt-2": (),
     "smollm": (("Digits", True),),  # SmolLM/SmolLM2 (llama.cpp: \p{N} split, then GPT-2's regex)
     "tekken": (("Split", TEKKEN_SPLIT),),  # Mistral Nemo, Small 3 (tekken.json converted by transformers)
+    "gpt-4o": (("Split", GPT4O_SPLIT),),  # o200k: gpt-oss
 }
 BPE_PRE_BY_STEPS = {steps: name for name, steps in BPE_PRE_STEPS.items()}
 KNOWN_BPE_PRE = ("qwen2", "llama-bpe", "llama3", "gpt-2", "default", "deepseek-llm", "deepseek-coder",
@@ -194,6 +205,69 @@ def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
     return vocab
 
 
+def is_sentencepiece_json(tj: dict) -> bool:
+    """A tokenizer.json that transformers converted from (or saves instead of) a SentencePiece model: BPE with byte
+    fallback or ▁ for spaces and no byte-level step, or Unigram."""
+    model, pipeline = tj.get("model") or {}, _steps(tj.get("pre_tokenizer"), "pretokenizers")
+    if any(st.get("type") == "ByteLevel" for st in pipeline):
+        return False
+    if model.get("type") == "Unigram":
+        return True
+    return model.get("type") == "BPE" and (bool(model.get("byte_fallback")) or any(
+        st.get("type") == "Metaspace" for st in pipeline) or "▁" in json.dumps(tj.get("normalizer")))
+
+
+def merge_scores(merges: list) -> dict[str, float]:
+    """SentencePiece scores from a BPE merge list: the k-th distinct merge result scores -k. llama.cpp merges the
+    adjacent pair whose result scores highest, so it applies the merges in the order HF's BPE does. (From a
+    SentencePiece BPE model, transformers writes its merges in score order, and these values are its scores.)"""
+    scores: dict[str, float] = {}
+    for merge in merges:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        scores.setdefault(left + right, -float(len(scores)))
+    return scores
+
+
+def _sentencepiece_json(model_dir: Path, tok, n_vocab: int, tj: dict) -> GGUFVocab:
+    """The SentencePiece vocabulary of the tokenizer transformers runs (``tj``: its tokenizer.json, as transformers
+    5 saves every SentencePiece tokenizer, with no tokenizer.model): pieces and ids from its model, scores from
+    its merge order (Unigram: its own scores), byte and unknown pieces typed as SentencePiece types them. Where a
+    tokenizer.model exists too this is still the one to follow: transformers ranks merges into runs of ▁ first,
+    which SentencePiece's own scores (-1e9) put last."""
+    model = tj["model"]
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [-10000.0] * n_vocab
+    types = [UNUSED] * n_vocab
+    if model["type"] == "Unigram":
+        pieces = {text: (tid, score) for tid, (text, score) in enumerate(model["vocab"])}
+        unk = model.get("unk_id")
+    else:
+        merged = merge_scores(model.get("merges", []))
+        floor = -float(len(merged))  # after every merge: pieces no merge makes are never made by llama.cpp either
+        pieces = {text: (tid, merged.get(text, 0.0 if len(text) == 1 else floor))
+                  for text, tid in model["vocab"].items()}
+        unk = model["vocab"].get(model.get("unk_token") or "")
+    for text, (tid, score) in pieces.items():
+        if tid >= n_vocab:
+            continue
+        byte = re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text) is not None
+        tokens[tid], scores[tid] = text, 0.0 if byte or tid == unk else score
+        types[tid] = UNKNOWN if tid == unk else BYTE if byte else NORMAL
+    prefix, inexact = space_prefix(effective_pipeline(tok, model_dir), False)
+    vocab = GGUFVocab("llama", "default", tokens, types, scores=scores, add_space_prefix=prefix, inexact=inexact)
+    _common(tok, vocab, n_vocab)
+    if model["type"] == "BPE":
+        # Added tokens the merges also make (Gemma's runs of ▁, \n and \t): HF's BPE merges into them, so they keep
+        # their merge score. Those holding ▁ are ordinary pieces, as llama.cpp turns ▁ back into a space only in
+        # those; the others stay user-defined, which llama.cpp, like HF, matches in the text longest first.
+        for tid, added in tok.added_tokens_decoder.items():
+            if tid < n_vocab and not added.special and added.content in merged:
+                vocab.scores[tid] = merged[added.content]
+                if "▁" in added.content:
+                    vocab.types[tid] = NORMAL
+    return vocab
+
+
 def _pre_steps(tj: dict) -> tuple[list[dict], tuple[tuple, ...]]:
     pre = tj.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -225,19 +299,13 @@ def hf_pre_tokenizer(pre: str, byte_level: dict) -> dict | None:
     return {"type": "Sequence", "pretokenizers": [*hf, byte_level]} if hf else byte_level
 
 
-def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None) -> GGUFVocab:
-    tj = json.loads((model_dir / "tokenizer.json").read_text())
+def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None, tj: dict) -> GGUFVocab:
     live = effective_pipeline(tok, model_dir)  # the pre-tokenizer transformers runs, which may not be the file's
     tj = {**tj, **{k: live[k] for k in ("normalizer", "pre_tokenizer") if k in live}}
     model = tj.get("model", {})
     if model.get("type") != "BPE":
         raise UserError(f"tokenizer in {model_dir} is {model.get('type')}, not BPE or SentencePiece",
                         "tuneport writes SentencePiece and byte-level BPE vocabularies")
-    if not bpe_pre and (model.get("byte_fallback") or any(
-            st.get("type") == "Metaspace" for st in _steps(tj.get("pre_tokenizer"), "pretokenizers"))):
-        raise UserError(f"the tokenizer in {model_dir} is SentencePiece (byte fallback, ▁ for spaces) but its "
-                        "tokenizer.model is missing: llama.cpp's SentencePiece vocabulary is written from it",
-                        "copy tokenizer.model from the base model's repository into the model directory")
     pre = bpe_pre or bpe_pre_from_tokenizer_json(tj)
     if pre is None:
         raise UserError(f"cannot identify the BPE pre-tokenizer of {model_dir} for llama.cpp",
@@ -264,12 +332,16 @@ def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None, shown:
     if len(tok) > n_vocab:
         raise UserError(f"the tokenizer has {len(tok)} tokens but the model only {n_vocab} embedding rows",
                         "pass the tokenizer that belongs to this model (after adding tokens, resize embeddings)")
+    live = effective_pipeline(tok, model_dir)
+    if not bpe_pre and is_sentencepiece_json(live):
+        # what transformers runs, whether it read tokenizer.json or converted tokenizer.model at load
+        return _sentencepiece_json(model_dir, tok, n_vocab, live)
     if (model_dir / "tokenizer.model").exists() and not bpe_pre:
         try:
             return _sentencepiece(model_dir, tok, n_vocab)
         except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: a corrupt or empty model file
             raise _unreadable(shown, e) from e
     if (model_dir / "tokenizer.json").exists():
-        return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre)
+        return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre, json.loads((model_dir / "tokenizer.json").read_text()))
     raise UserError(f"--bpe-pre applies to a byte-level BPE tokenizer, and {shown} has no tokenizer.json",
                     "drop --bpe-pre (its tokenizer.model is SentencePiece)")

@@ -22,12 +22,14 @@ from tuneport.convert.gguf.gpu import llamacpp_compute, n_gpu_layers
 from tuneport.convert.gguf.lora import build_gguf_lora, write_gguf_lora
 from tuneport.convert.gguf.quant_types import GGUF_FOR_DTYPE
 from tuneport.convert.gguf.runtime import chat_renderer
+from tuneport.convert.gguf.vocab import HF_TOKENIZER_DIR
 from tuneport.convert.hashing import config_digest, content_digest
 from tuneport.convert.inputs import adapter_for
 from tuneport.convert.options import model_name
 from tuneport.convert.targets import check_base
 
 from ..engines.base import Event, GenerationRequest
+from ..engines.hf_text import HfText
 from ..engines.llamacpp import LlamaCppEngine
 from ..errors import ApiError
 from ..pool import PoolError
@@ -64,6 +66,7 @@ class LlamaCppBackend(InProcessBackend):
         self.max_choices = self.llama.n_seq_max
         self.chat_template = self.llama.metadata("tokenizer.chat_template")
         self.add_bos = (self.llama.metadata("tokenizer.ggml.add_bos_token") or "true") == "true"
+        self.hf_text = _hf_text_beside(model_path)
 
     @classmethod
     def check_options(cls, opts, fmt: str) -> None:
@@ -77,8 +80,10 @@ class LlamaCppBackend(InProcessBackend):
 
     @staticmethod
     def _cached_gguf(hf_dir: Path, quant: str) -> Path:
-        """The HF base as GGUF, converted once and cached by content."""
-        return cached_export(hf_dir, "gguf", quant=quant, name="model") / f"model-{quant.upper()}.gguf"
+        """The HF base as GGUF, converted once and cached by content; a tokenizer llama.cpp cannot express is
+        accepted, as prompts are then tokenized by the HF tokenizer the export keeps beside the file."""
+        out = cached_export(hf_dir, "gguf", quant=quant, name="model", accept_tokenizer_difference=True)
+        return out / f"model-{quant.upper()}.gguf"
 
     # -- adapters ------------------------------------------------------------------------------------
     def attach_adapter(self, name: str, path: Path) -> int:
@@ -118,7 +123,11 @@ class LlamaCppBackend(InProcessBackend):
 
     # -- requests ------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
-        return self.llama.tokenize(text, self.add_bos if add_bos is None else add_bos, special=True)
+        add_bos = self.add_bos if add_bos is None else add_bos
+        if self.hf_text is not None:  # the GGUF's vocabulary tokenizes some texts differently: HF's ids, as exported
+            bos = self.llama.special_token("bos")
+            return ([bos] if add_bos and bos is not None else []) + self.hf_text.encode(text, special=False)
+        return self.llama.tokenize(text, add_bos, special=True)
 
     @functools.cached_property
     def _chat_renderer(self):
@@ -158,6 +167,7 @@ class LlamaCppBackend(InProcessBackend):
 
     def describe(self) -> dict:
         return {**super().describe(), "gguf": str(self.llama.model_path), "n_ctx": self.llama.n_ctx,
+                "tokenizer": "hf (the GGUF's vocabulary differs)" if self.hf_text is not None else "gguf",
                 "contexts": self.llama.n_contexts, "threads": self.llama.n_threads,
                 "prompt_cache": self.llama.prompt_cache, "gpu_layers": self.llama.n_gpu_layers,
                 "compute": llamacpp_compute().label, "adapter_batching": self.llama.adapter_batching,
@@ -177,3 +187,17 @@ def _check_dtype(fmt: str, dtype: str) -> None:
         raise UserError(f"--dtype {dtype} applies to an HF base (the GGUF it is converted to)",
                         "drop --dtype: a GGUF file is served with its own types")
 
+
+def _hf_text_beside(model_path: Path) -> HfText | None:
+    """The HF tokenizer ``export --target gguf --accept-tokenizer-difference`` keeps beside a GGUF whose vocabulary
+    tokenizes differently (None: there is none, llama.cpp's own tokenizer is exact)."""
+    tok_dir = model_path.parent / HF_TOKENIZER_DIR
+    if not tok_dir.is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return HfText(AutoTokenizer.from_pretrained(tok_dir))
+    except Exception as e:  # noqa: BLE001 - any loader error: the files beside the GGUF are broken
+        raise UserError(f"cannot load the HF tokenizer in {tok_dir} ({type(e).__name__}: {str(e)[:120]})",
+                        "re-export the GGUF, or remove that directory to tokenize with llama.cpp's vocabulary") from e

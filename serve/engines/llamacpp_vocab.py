@@ -39,12 +39,14 @@ class Vocabulary:
         return buf.raw[:n]
 
     def longest_piece(self) -> int:
-        """The most bytes one token's text has, special tokens' text included (what a prompt's text may use)."""
+        """The most bytes one token stands for in a prompt's text: its piece, special tokens' text included, or its
+        vocabulary text where that is longer (a SentencePiece piece written with ▁, which a prompt may hold as is)."""
         buf = ctypes.create_string_buffer(256)
         longest = 1
         for token in range(self.n_vocab):
             n = self.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            longest = max(longest, n if n >= 0 else -n)  # negative: the piece needs -n bytes
+            text = self.lc.llama_vocab_get_text(self.vocab, token) or b""
+            longest = max(longest, n if n >= 0 else -n, len(text))  # negative: the piece needs -n bytes
         return longest
 
     def piece_text(self, token: int) -> str:
