@@ -21,6 +21,8 @@ from .errors import UserError
 from .fused_experts import ExpertRows, fused_views
 from .hashing import sha256_file
 from .safetensors_file import SafetensorsFile
+from .stored.int4 import packed_weight_shape
+from .stored.mlx import unpacked_shape  # an MLX LM weight, packed beside its scales
 from .tensors import TensorMeta
 
 # Files that travel with a model: everything a tokenizer, a processor or generation needs.
@@ -237,13 +239,9 @@ class Checkpoint:
         if name in self:
             meta = self.meta(name)
             if meta.dtype == torch.uint32 and isinstance(quant := self.config.get("quantization"), dict):
-                from .mlx.read import unpacked_shape  # an MLX LM weight, packed beside its scales
-
                 return unpacked_shape(quant, name.removesuffix(".weight"), meta.shape)
             return meta.shape
         if name.endswith(".weight") and self.quantization:
-            from .awq.formats import packed_weight_shape
-
             return packed_weight_shape(self, name.removesuffix(".weight"))
         return None
 

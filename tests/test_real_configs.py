@@ -42,7 +42,7 @@ REFUSED: dict[tuple[str, str], str] = {
                                                 "'longrope'",
     ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
                                                "length",
-    **{("unsloth--gpt-oss-20b-merged", t): "is quantized (mxfp4)" for t in TARGETS},
+    **{("unsloth--gpt-oss-20b-merged", t): "is quantized (MXFP4)" for t in TARGETS},
     **{("unsloth--qwen3.6-moe-35b-a3b-merged", t): "architecture 'qwen3_5_moe" for t in TARGETS},
     ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
     ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",

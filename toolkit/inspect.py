@@ -289,7 +289,8 @@ def inspect_mlx_adapter(path: Path) -> dict:
 def _weight_quantization(ck: Checkpoint) -> dict | None:
     """A 4-bit checkpoint in a format tuneport writes (compressed-tensors pack-quantized, AutoAWQ GEMM): its
     scheme and which modules are quantized."""
-    from tuneport.convert.awq.formats import FORMATS, quant_info
+    from tuneport.convert.awq.formats import FORMATS
+    from tuneport.convert.stored.int4 import quant_info
 
     info = quant_info(ck.quantization or {})
     if info is None:

@@ -1,4 +1,5 @@
-"""The two 4-bit checkpoint layouts vLLM loads, as data: tensor names, packing and ``quantization_config``.
+"""The two 4-bit checkpoint layouts vLLM loads, as data: tensor names, packing and ``quantization_config`` (the
+nibble packing and the reading side live below the checkpoint reader, in ``convert.stored.int4``).
 
 compressed-tensors ``pack-quantized`` (vLLM's preferred format):
   ``weight_packed`` int32 ``[out, in/8]`` (8 nibbles per int32, lowest bits first, value + 8),
@@ -17,41 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from ..stored.int4 import AWQ_ORDER, PACK, pack_nibbles, quant_info, unpack_nibbles
 from . import FORMAT_NAMES
 from .quant import QuantizedWeight, QuantScheme
-
-PACK = 8  # 4-bit values per int32
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i of an int32 holds column AWQ_ORDER[i]
-AWQ_REVERSE = tuple(AWQ_ORDER.index(i) for i in range(PACK))
-
-
-PACK_ROWS = 1024  # rows packed at once: the int64 work space stays small for any weight
-
-
-def pack_nibbles(u: torch.Tensor, order: tuple[int, ...] = tuple(range(PACK))) -> torch.Tensor:
-    """Unsigned 4-bit values ``[rows, cols]`` (cols % 8 == 0) -> int32 ``[rows, cols/8]``."""
-    if len(u) > PACK_ROWS:
-        return torch.cat([_pack_rows(u[i:i + PACK_ROWS], order) for i in range(0, len(u), PACK_ROWS)])
-    return _pack_rows(u, order)
-
-
-def _pack_rows(u: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    rows, cols = u.shape
-    v = u.to(torch.int64).reshape(rows, cols // PACK, PACK)
-    packed = torch.zeros(rows, cols // PACK, dtype=torch.int64)
-    for slot, col in enumerate(order):
-        packed |= (v[:, :, col] & 0xF) << (4 * slot)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def unpack_nibbles(p: torch.Tensor, order: tuple[int, ...] = tuple(range(PACK))) -> torch.Tensor:
-    """int32 ``[rows, n]`` -> unsigned 4-bit values ``[rows, n·8]`` (int8)."""
-    rows, n = p.shape
-    v = p.to(torch.int64) & 0xFFFFFFFF
-    out = torch.empty(rows, n, PACK, dtype=torch.int8)
-    for slot, col in enumerate(order):
-        out[:, :, col] = ((v >> (4 * slot)) & 0xF).to(torch.int8)
-    return out.reshape(rows, n * PACK)
 
 
 def _offset(scheme: QuantScheme) -> int:
@@ -165,31 +134,6 @@ def format_for(name: str) -> AWQFormat:
         return FORMATS[name]
     except KeyError:
         raise UserError(f"unknown --format {name!r}", f"use one of {', '.join(FORMATS)}") from None
-
-
-def quant_info(quantization_config: dict) -> dict | None:
-    """``{format, bits, group_size, symmetric}`` of a checkpoint in one of ``FORMATS``, else None."""
-    method = quantization_config.get("quant_method")
-    if method == "awq" and str(quantization_config.get("version", "gemm")).lower() == "gemm":
-        return {"format": "awq-gemm", "bits": int(quantization_config.get("bits", 4)),
-                "group_size": int(quantization_config.get("group_size", 128)),
-                "symmetric": not quantization_config.get("zero_point", True)}
-    if method == "compressed-tensors" and quantization_config.get("format") == "pack-quantized":
-        groups = list((quantization_config.get("config_groups") or {}).values())
-        w = (groups[0] if groups else {}).get("weights") or {}
-        return {"format": "compressed-tensors", "bits": int(w.get("num_bits", 4)),
-                "group_size": int(w.get("group_size") or 0), "symmetric": bool(w.get("symmetric", True))}
-    return None
-
-
-def packed_weight_shape(ckpt, module: str) -> tuple[int, int] | None:
-    """``[out, in]`` of ``module`` in a 4-bit checkpoint (either format), from its packed tensors."""
-    if f"{module}.weight_shape" in ckpt:
-        out_f, in_f = (int(x) for x in ckpt.read(f"{module}.weight_shape").tolist())
-        return out_f, in_f
-    if f"{module}.qweight" in ckpt and f"{module}.scales" in ckpt:
-        return ckpt.meta(f"{module}.scales").shape[1], ckpt.meta(f"{module}.qweight").shape[0]
-    return None
 
 
 def scheme_of(quantization_config: dict) -> tuple[str, QuantScheme] | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from ..stored.mlx import module_quant
 from . import ADAPTER_CONFIG, ADAPTER_PARTS, ADAPTER_WEIGHTS
 from .archs import MLX_ARCHS, mlx_config
 
@@ -63,19 +64,6 @@ def _bad_mlx(path: Path, what: str) -> UserError:
                      "export it again (tuneport export --target mlx) or copy the whole directory again")
 
 
-def _module_quant(quant: dict, module: str) -> dict:
-    """A quantized module's {mode, bits, group_size}: its own entry (mixed recipes) over the defaults."""
-    entry = quant.get(module)
-    top = {"mode": quant.get("mode") or "affine", "bits": quant.get("bits"), "group_size": quant.get("group_size")}
-    return {**top, **entry} if isinstance(entry, dict) else top
-
-
-def unpacked_shape(quant: dict, module: str, packed: tuple[int, ...]) -> tuple[int, ...]:
-    """``[out, in]`` of a quantized module whose packed uint32 weight has shape ``packed``."""
-    bits = _module_quant(quant, module)["bits"]
-    return (*packed[:-1], packed[-1] * 32 // int(bits))
-
-
 def mlx_weights(path: Path, metas: dict[str, TensorMeta], quant: dict | None) -> dict:
     """What an MLX LM directory's tensors hold (``metas``: name -> TensorMeta of every weight file; ``quant``:
     its config's ``quantization``): parameters with quantized weights counted unpacked, the floating dtype,
@@ -86,7 +74,7 @@ def mlx_weights(path: Path, metas: dict[str, TensorMeta], quant: dict | None) ->
     parts = {f"{m}.{s}" for m in quantized for s in ("scales", "biases")}
     params, by_bits = 0, Counter()
     for m in quantized:
-        q = _module_quant(quant or {}, m)
+        q = module_quant(quant or {}, m)
         rows, packed = metas[f"{m}.weight"].shape[0], metas[f"{m}.weight"].shape[-1]
         groups = metas[f"{m}.scales"].shape[-1]
         if not isinstance(q["bits"], int) or not isinstance(q["group_size"], int) or q["bits"] <= 0 or \

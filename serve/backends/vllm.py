@@ -45,8 +45,8 @@ HEALTH_PROBE_S = 5.0
 def check_4bit_runs_here(ckpt: Checkpoint, dtype: str) -> None:
     """A 4-bit (W4A16) base on vLLM's CPU build: 16-bit activations only, and AVX-512 (else vLLM loads the
     model and dies at the first forward pass). Refused before vLLM starts."""
-    from tuneport.convert.awq.formats import quant_info
     from tuneport.convert.cpu_features import require_w4a16_cpu
+    from tuneport.convert.stored.int4 import quant_info
 
     if not quant_info(ckpt.quantization or {}) or vllm_platform() != "cpu":
         return

@@ -100,7 +100,7 @@ def _plain(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
 
 def _packed(ckpt: Checkpoint, m: str) -> tuple[int, int] | None:
     """(in, out) of a 4-bit module in a format tuneport writes (convert.awq.formats reads it)."""
-    from tuneport.convert.awq.formats import packed_weight_shape
+    from tuneport.convert.stored.int4 import packed_weight_shape
 
     shape = packed_weight_shape(ckpt, m)
     return (shape[1], shape[0]) if shape else None

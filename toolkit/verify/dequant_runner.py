@@ -14,10 +14,11 @@ import torch
 from safetensors import safe_open
 
 from tuneport.convert.arch import known_arch
-from tuneport.convert.awq.formats import FORMATS, quant_info, scheme_of
+from tuneport.convert.awq.formats import FORMATS, scheme_of
 from tuneport.convert.cpu_features import w4a16_cpu_problem
 from tuneport.convert.errors import UserError
 from tuneport.convert.fused_experts import fuse_to_memory
+from tuneport.convert.stored.int4 import quant_info
 
 from .vllm_runner import VllmRunner, _bundle_model, adapter_for_awq_base
 

@@ -56,8 +56,8 @@ def adapter_for_awq_base(lora: Path, model_dir: Path, tmp: Path) -> Path:
 def compute_dtype(model_dir: Path) -> str:
     """fp32 for float models; a 4-bit model (AWQ / compressed-tensors) runs in its own 16-bit dtype, since
     vLLM's W4A16 kernels have no fp32 path (and on CPU need AVX-512)."""
-    from tuneport.convert.awq.formats import quant_info
     from tuneport.convert.cpu_features import require_w4a16_cpu
+    from tuneport.convert.stored.int4 import quant_info
 
     cfg = json.loads((model_dir / "config.json").read_text())
     if not quant_info(cfg.get("quantization_config") or {}):
