@@ -322,6 +322,19 @@ def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None, tj: 
     return vocab
 
 
+def _with_byte_pieces(vocab: GGUFVocab, shown: Path) -> GGUFVocab:
+    """``vocab``, if it has the 256 byte pieces (``<0x00>`` .. ``<0xFF>``): llama.cpp's SentencePiece tokenizer
+    falls back to them for any text its pieces do not cover, and aborts the process where one is missing."""
+    have = {t for t, kind in zip(vocab.tokens, vocab.types, strict=True) if kind == BYTE}
+    missing = [b for b in range(256) if f"<0x{b:02X}>" not in have]
+    if missing:
+        raise UserError(f"the SentencePiece tokenizer in {shown} has no byte piece for {len(missing)} of the 256 "
+                        f"bytes (first <0x{missing[0]:02X}>): llama.cpp falls back to byte pieces for text outside "
+                        "its vocabulary and aborts without them",
+                        "export --target mlx or vllm, which run the HF tokenizer")
+    return vocab
+
+
 def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None, shown: Path | None = None) -> GGUFVocab:
     """The GGUF vocabulary of the tokenizer in ``model_dir``, padded to ``n_vocab`` (embedding rows);
     refusals name ``shown`` (the user's model directory when ``model_dir`` is a working copy)."""
@@ -332,15 +345,19 @@ def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None, shown:
     if len(tok) > n_vocab:
         raise UserError(f"the tokenizer has {len(tok)} tokens but the model only {n_vocab} embedding rows",
                         "pass the tokenizer that belongs to this model (after adding tokens, resize embeddings)")
+    if (model_dir / "tokenizer.model").exists() and not bpe_pre:
+        try:
+            import sentencepiece as spm
+
+            spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+        except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: a corrupt or empty model file
+            raise _unreadable(shown, e) from e
     live = effective_pipeline(tok, model_dir)
     if not bpe_pre and is_sentencepiece_json(live):
         # what transformers runs, whether it read tokenizer.json or converted tokenizer.model at load
-        return _sentencepiece_json(model_dir, tok, n_vocab, live)
+        return _with_byte_pieces(_sentencepiece_json(model_dir, tok, n_vocab, live), shown)
     if (model_dir / "tokenizer.model").exists() and not bpe_pre:
-        try:
-            return _sentencepiece(model_dir, tok, n_vocab)
-        except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: a corrupt or empty model file
-            raise _unreadable(shown, e) from e
+        return _with_byte_pieces(_sentencepiece(model_dir, tok, n_vocab), shown)
     if (model_dir / "tokenizer.json").exists():
         return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre, json.loads((model_dir / "tokenizer.json").read_text()))
     raise UserError(f"--bpe-pre applies to a byte-level BPE tokenizer, and {shown} has no tokenizer.json",

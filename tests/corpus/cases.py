@@ -552,6 +552,19 @@ def _(w):
     return w.export_gguf()
 
 
+@case("tokenizer", "sentencepiece-without-a-byte-piece",
+      "error: the SentencePiece tokenizer in {base} has no byte piece for 1 of the 256 bytes (first <0x41>): "
+      "llama.cpp falls back to byte pieces for text outside its vocabulary and aborts without them: export --target "
+      "mlx or vllm, which run the HF tokenizer")
+def _(w):
+    def rename(t):
+        vocab = t["model"]["vocab"]
+        vocab["not-a-byte"] = vocab.pop("<0x41>")
+    w.json_edit(w.base / "tokenizer.json", rename)
+    (w.base / "tokenizer.model").unlink()
+    return w.export_gguf()
+
+
 @case("tokenizer", "more-tokens-than-embedding-rows",
       "error: the tokenizer has 520 tokens but the model only 512 embedding rows: pass the tokenizer "
       "that belongs to this model (after adding tokens, resize embeddings)")
