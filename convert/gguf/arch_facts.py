@@ -26,6 +26,7 @@ class GGUFArch:
     write_vocab_size: bool = False
     write_rope_dims: bool = False
     write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
+    write_swa_pattern: bool = False  # one sliding-window flag per layer, from layer_types (OLMo 3)
     sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
     softcap: bool = False  # final_logit_softcapping
     attn_softcap: bool = False  # attn_logit_softcapping (Gemma 2)

@@ -199,6 +199,8 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
                               int(rp["original_max_position_embeddings"]))
     if garch.write_freq_base_swa:
         writer.add_float32(f"{arch}.rope.freq_base_swa", float(rope_parameters(cfg, "sliding_attention")["rope_theta"]))
+    if garch.write_swa_pattern and cfg.get("layer_types"):
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if garch.sliding_window_default is not None and cfg.get("sliding_window") is None:
         writer.add_uint32(f"{arch}.attention.sliding_window", garch.sliding_window_default)
     if garch.softcap and cfg.get("final_logit_softcapping"):

@@ -74,6 +74,28 @@ def gemma3_rope_and_windows(cfg: dict) -> list[str]:
     return filled
 
 
+def olmo3_rope(cfg: dict) -> list[str]:
+    """OLMo 3: mlx-lm reads one ``rope_theta`` (every layer) and ``rope_scaling`` (full-attention layers only, as
+    transformers applies it) at the top level; transformers 5 nests them per layer kind."""
+    params = cfg.get("rope_parameters") or {}
+    if not ("full_attention" in params or "sliding_attention" in params):
+        return rope_top_level(cfg)
+    full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    if sliding.get("rope_theta", full.get("rope_theta")) != full.get("rope_theta") or \
+            sliding.get("rope_type", "default") != "default":
+        raise UserError(f"this OLMo 3 model's sliding layers have their own RoPE ({sliding}), which mlx-lm does "
+                        "not implement (it gives them the full layers' base, unscaled)",
+                        "export it for llama.cpp (--target gguf)")
+    filled = []
+    if "rope_theta" in full and "rope_theta" not in cfg:
+        cfg["rope_theta"] = full["rope_theta"]
+        filled.append("rope_theta")
+    if cfg.get("rope_scaling") is None and (scaling := _rope_scaling(full)) is not None:
+        cfg["rope_scaling"] = scaling
+        filled.append("rope_scaling")
+    return filled
+
+
 def no_sliding_window(cfg: dict) -> list[str]:
     """mlx-lm's Llama (which runs Mistral) and Phi-3 have no sliding window: refuse a window shorter than
     the context."""

@@ -40,6 +40,14 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3": TinyArch("gemma3", "Gemma3Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
                        always_tied=True, text_config_class="Gemma3TextConfig"),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
+    # 4 layers, 3 sliding (window 8, shorter than the tests' sequences) and 1 full, as Olmo-3-7B's pattern;
+    # YaRN on the full layer as the released models (factor 8 over 32 positions)
+    "olmo3": TinyArch("olmo3", "Olmo3Config", "bpe", (
+        ("num_hidden_layers", 4), ("sliding_window", 8),
+        ("rope_parameters", {"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "attention_factor": 1.2079441541679836},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))),
     # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
     "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
         ("embedding_multiplier", 3.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.05),
