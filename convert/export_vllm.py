@@ -24,7 +24,14 @@ from .manifest import input_entries, write_manifest
 from .merge import WeightedAdapter, plan_merge
 from .multimodal import vllm_name
 from .options import ExportOptions, ExportResult, model_name
-from .vllm_rules import Preflight, float16_refusal, preflight, preflight_message, round_lora_rank
+from .vllm_rules import (
+    Preflight,
+    float16_refusal,
+    preflight,
+    preflight_message,
+    round_lora_rank,
+    vllm_config_updates,
+)
 
 LAUNCH_JSON = "vllm_launch.json"
 LAUNCH_SH = "serve-vllm.sh"
@@ -144,6 +151,8 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         if opts.max_lora_rank is not None:
             raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
         plan = plan_merge(ckpt, loaded, opts.dtype)
+        plan.config_updates.update(updates := vllm_config_updates(plan.config))
+        plan.notes += [f"config.json: {k} added, as vLLM reads it" for k in updates]
         with atomic_dir(opts.out, force=opts.force) as tmp:
             hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress, rename=vllm_renamer(ckpt))
             load_check = check_hf_dir(tmp)
@@ -161,10 +170,16 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
     with atomic_dir(opts.out, force=opts.force) as tmp:
         base_dir = tmp / "base"
         base_dir.mkdir()
+        updates = vllm_config_updates(ckpt.config)
         if rename := vllm_renamer(ckpt):  # tensors renamed as vLLM loads them: the base rewritten, streamed
-            write_merged(plan_merge(ckpt, []), base_dir, opts.max_shard_bytes, progress, rename=rename)
+            base_plan = plan_merge(ckpt, [])
+            base_plan.config_updates.update(updates)
+            write_merged(base_plan, base_dir, opts.max_shard_bytes, progress, rename=rename)
         else:
             copy_base(ckpt, base_dir, progress)
+            if updates:
+                config = json.loads((base_dir / "config.json").read_text())
+                (base_dir / "config.json").write_text(json.dumps({**config, **updates}, indent=2))
         paths = {}
         for w, pf in zip(loaded, results, strict=True):
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
@@ -174,6 +189,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         load_check = {"base": check_hf_dir(base_dir),
                       "adapters": check_adapter_dirs(base_dir, [tmp / p for p in paths.values()])}
         manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
-                                  {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype},
+                                  {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype,
+                                   "notes": [f"config.json: {k} added, as vLLM reads it" for k in updates]},
                                   extra={"fixes": fixes, "load_check": load_check})
     return ExportResult(opts.out, "vllm", manifest, notes=[serve_note], fixes={k: v for k, v in fixes.items() if v})

@@ -45,6 +45,28 @@ def float16_refusal(model_type: str, what: str) -> UserError | None:
                      "use bf16 (with --target awq: --format compressed-tensors, whose scales may be bf16)")
 
 
+def llama_4_scaling(config: dict) -> dict:
+    """vLLM 0.32 runs Ministral3ForCausalLM with its Mistral model, which applies Llama 4's attention temperature
+    only from ``config.llama_4_scaling`` (Mistral's own params format) and ignores transformers'
+    ``rope_parameters.llama_4_scaling_beta``: past the original context its logits would differ."""
+    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    beta = rp.get("llama_4_scaling_beta")
+    if not beta or "llama_4_scaling" in config:
+        return {}
+    return {"llama_4_scaling": {"beta": beta, "original_max_position_embeddings":
+                                rp.get("original_max_position_embeddings") or config["max_position_embeddings"]}}
+
+
+# model_type -> the config.json keys vLLM needs to compute what transformers computes (added beside the others)
+VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling}
+
+
+def vllm_config_updates(config: dict) -> dict:
+    """Keys to add to ``config`` so that vLLM computes what transformers does with it (none for most models)."""
+    fix = VLLM_CONFIG_FIXES.get(str(config.get("model_type")))
+    return fix(config) if fix else {}
+
+
 def vllm_refusal(model_type: str) -> str | None:
     """Why ``--target vllm --adapters separate`` refuses ``model_type`` (merged models are exported for all)."""
     from .arch import known_arch

@@ -87,6 +87,9 @@ CASES = [
     Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
                                                                "partial_rotary_factor": 0.5}}, "parity"),
     Case("olmo2", "attention_bias", {"attention_bias": True}, "refused: no such biases"),
+    Case("olmo3", "sliding_window", {"sliding_window": 4}, "parity"),
+    Case("olmo3", "layer_types", {"layer_types": ["full_attention", "sliding_attention", "full_attention",
+                                                  "sliding_attention"]}, "parity"),  # any pattern: one flag a layer
     Case("granite", "mlp_bias", {"mlp_bias": True}, "refused: no such biases"),
     Case("granite", "embedding_multiplier", {"embedding_multiplier": 7.0}, "parity"),
     Case("granite", "residual_multiplier", {"residual_multiplier": 0.2}, "parity"),

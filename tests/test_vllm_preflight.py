@@ -40,3 +40,22 @@ def test_mixture_of_experts_is_refused_before_vllm_cpu_starts(zoo, cli, arch):
         return  # a GPU build serves it
     code, _, err = cli("serve", "--base", zoo.base(arch), "--engine", "vllm", "--port", "0")
     assert code == 2 and "mixture-of-experts" in err and "Traceback" not in err, err
+
+
+def test_vllm_is_given_what_it_reads_to_compute_as_transformers():
+    """Ministral 3's attention temperature: transformers reads rope_parameters.llama_4_scaling_beta, vLLM 0.32's
+    Mistral model only config.llama_4_scaling, so the bundle's config.json carries both and tuneport serve passes
+    the key to vLLM as --hf-overrides (tests/test_vllm_export.py proves the bundle's tokens in vLLM)."""
+    import json
+
+    from tuneport.convert.vllm_rules import vllm_config_updates
+    from tuneport.serve.engines.vllm import VllmLaunch
+
+    config = {"model_type": "ministral3", "max_position_embeddings": 262144, "rope_parameters": {
+        "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384, "llama_4_scaling_beta": 0.1}}
+    updates = vllm_config_updates(config)
+    assert updates == {"llama_4_scaling": {"beta": 0.1, "original_max_position_embeddings": 16384}}
+    assert vllm_config_updates({**config, **updates}) == {} and vllm_config_updates({"model_type": "mistral"}) == {}
+    args = VllmLaunch("m", "m", 16, 1, 1, hf_overrides=updates).args()
+    assert json.loads(args[args.index("--hf-overrides") + 1]) == updates
+    assert "--hf-overrides" not in VllmLaunch("m", "m", 16, 1, 1).args()

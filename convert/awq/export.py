@@ -34,7 +34,7 @@ from ..multimodal import vllm_name
 from ..options import ExportOptions, ExportResult, model_name
 from ..shards import ShardedSafetensorsWriter
 from ..tensors import TensorMeta
-from ..vllm_rules import float16_refusal, round_lora_rank
+from ..vllm_rules import float16_refusal, round_lora_rank, vllm_config_updates
 from .adapters import SCALES_FILE, mark_rescaled, rescale_adapter, scales_digest, write_scales
 from .core import quantize_block
 from .formats import DEFAULT_FORMAT, PACK, AWQFormat, format_for
@@ -284,6 +284,7 @@ def export_awq(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         ignore_names = [towers.name(n) if n != "lm_head" else n for n in ignore_names] + towers.keep_16bit
         config = {**towers.config(plan.config), "torch_dtype": CONFIG_DTYPE_NAMES[dtype],
                   "quantization_config": fmt.config(scheme, ignore_names)}
+        config.update(vllm_config_updates(config))  # the artifact runs in vLLM
         if "dtype" in plan.base.config:
             config["dtype"] = CONFIG_DTYPE_NAMES[dtype]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

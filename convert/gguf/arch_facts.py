@@ -27,6 +27,9 @@ class GGUFArch:
     write_rope_dims: bool = False
     write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
     write_swa_pattern: bool = False  # one sliding-window flag per layer, from layer_types (OLMo 3)
+    # (GGUF key suffix, key of the full-attention RoPE parameters, kind): written when present (Ministral 3's YaRN
+    # betas and attention temperature live in rope_parameters)
+    rope_hparams: tuple[HParam, ...] = ()
     sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
     softcap: bool = False  # final_logit_softcapping
     attn_softcap: bool = False  # attn_logit_softcapping (Gemma 2)

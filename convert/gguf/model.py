@@ -197,6 +197,9 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         if rp["rope_type"] == "yarn" and rp.get("original_max_position_embeddings"):
             writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
                               int(rp["original_max_position_embeddings"]))
+    for suffix, keys, kind in garch.rope_hparams:
+        if (value := _cfg(rp, keys)) is not None:
+            (writer.add_uint32 if kind == "u32" else writer.add_float32)(f"{arch}.{suffix}", value)
     if garch.write_freq_base_swa:
         writer.add_float32(f"{arch}.rope.freq_base_swa", float(rope_parameters(cfg, "sliding_attention")["rope_theta"]))
     if garch.write_swa_pattern and cfg.get("layer_types"):

@@ -8,6 +8,7 @@ latter). Runtime adapter loading uses vLLM's own ``/v1/load_lora_adapter`` and
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class VllmLaunch:
     pipeline_parallel_size: int = 1
     extra_args: list[str] = field(default_factory=list)
     tool_parser: str | None = None  # the chat template's tool-call syntax: tool_choice auto is enabled with it
+    hf_overrides: dict = field(default_factory=dict)  # config keys vLLM needs to compute what transformers does
     host: str = "127.0.0.1"
     port: int = 0
     python: str = sys.executable
@@ -61,6 +63,8 @@ class VllmLaunch:
         if self.lora_modules:
             a.append("--lora-modules")
             a += lora_module_args(self.lora_modules, self.served_name)
+        if self.hf_overrides and not any(x.startswith("--hf-overrides") for x in self.extra_args):
+            a += ["--hf-overrides", json.dumps(self.hf_overrides)]
         if self.tool_parser and not any(x.startswith("--tool-call-parser") for x in self.extra_args):
             a += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
         if not any(x.startswith("--structured-outputs-config") for x in self.extra_args):

@@ -40,6 +40,14 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3": TinyArch("gemma3", "Gemma3Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
                        always_tied=True, text_config_class="Gemma3TextConfig"),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
+    # Ministral-3-8B's RoPE (YaRN factor 16, mscale 1, Llama 4 temperature 0.1) over an original context of 8
+    # positions, so the tests' sequences cross the temperature's first step
+    "ministral3": TinyArch("ministral3", "Ministral3Config", "sentencepiece", (
+        ("sliding_window", None), ("head_dim", 32),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                             "original_max_position_embeddings": 8, "max_position_embeddings": 256,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "llama_4_scaling_beta": 0.1}))),
     # 4 layers, 3 sliding (window 8, shorter than the tests' sequences) and 1 full, as Olmo-3-7B's pattern;
     # YaRN on the full layer as the released models (factor 8 over 32 positions)
     "olmo3": TinyArch("olmo3", "Olmo3Config", "bpe", (
