@@ -34,6 +34,9 @@ class Case:
 ROPE = {"rope_theta": 10000.0}
 LLAMA3 = {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 8,
+                   "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                   "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
 CASES = [
     Case("llama", "rms_norm_eps", {"rms_norm_eps": 1e-2}, "parity"),
     Case("llama", "tie_word_embeddings", {"tie_word_embeddings": True}, "parity"),
@@ -87,6 +90,12 @@ CASES = [
     Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
                                                                "partial_rotary_factor": 0.5}}, "parity"),
     Case("olmo2", "attention_bias", {"attention_bias": True}, "refused: no such biases"),
+    Case("ministral3", "rope_parameters", {"rope_parameters": {**MINISTRAL3_ROPE, "partial_rotary_factor": 0.5}},
+         "refused: rotates the whole head"),
+    Case("ministral3", "partial_rotary_factor", {}, "refused: rotates the whole head",
+         config_patch={"partial_rotary_factor": 0.5}),
+    Case("ministral3", "original_max_position_embeddings", {"rope_parameters": {
+        **MINISTRAL3_ROPE, "original_max_position_embeddings": 4}}, "parity"),  # the temperature steps every 4
     Case("olmo3", "sliding_window", {"sliding_window": 4}, "parity"),
     Case("olmo3", "layer_types", {"layer_types": ["full_attention", "sliding_attention", "full_attention",
                                                   "sliding_attention"]}, "parity"),  # any pattern: one flag a layer
