@@ -37,6 +37,8 @@ LLAMA3 = {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 8,
                    "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 32 for i in range(16)],
+                 "long_factor": [1.0 + i for i in range(16)]}
 CASES = [
     Case("llama", "rms_norm_eps", {"rms_norm_eps": 1e-2}, "parity"),
     Case("llama", "tie_word_embeddings", {"tie_word_embeddings": True}, "parity"),
@@ -87,6 +89,19 @@ CASES = [
     Case("gemma2", "use_bidirectional_attention", {"use_bidirectional_attention": True}, "refused: causally"),
     Case("gemma2", "attention_bias", {"attention_bias": True}, "refused: no attention biases"),
     Case("phi3", "sliding_window", {"sliding_window": 8}, "capped"),
+    # LongRoPE: short factors away from 1 (llama.cpp takes them while its context, at least 256, is at most the
+    # original) and the attention factor of 1,024 positions over an original 256
+    Case("phi3", "rope_parameters", {"max_position_embeddings": 1024, "rope_parameters": {
+        **PHI3_LONGROPE, "original_max_position_embeddings": 256}}, "parity", config_patch={
+        "original_max_position_embeddings": 256}),
+    Case("phi3", "rope_scaling", {"max_position_embeddings": 1024}, "parity", config_patch={  # as Phi-4-mini ships it
+        "rope_scaling": {"type": "longrope", "short_factor": PHI3_LONGROPE["short_factor"],
+                         "long_factor": PHI3_LONGROPE["long_factor"]},
+        "original_max_position_embeddings": 256, "rope_theta": 10000.0, "rope_parameters": None}),
+    Case("phi3", "original_max_position_embeddings", {"max_position_embeddings": 2048}, "parity", config_patch={
+        "rope_scaling": {"type": "longrope", "short_factor": PHI3_LONGROPE["short_factor"],
+                         "long_factor": PHI3_LONGROPE["long_factor"]},
+        "original_max_position_embeddings": 512, "rope_theta": 10000.0, "rope_parameters": None}),
     Case("phi3", "partial_rotary_factor", {"rope_parameters": {**ROPE, "rope_type": "default",
                                                                "partial_rotary_factor": 0.5}}, "parity"),
     Case("olmo2", "attention_bias", {"attention_bias": True}, "refused: no such biases"),

@@ -38,8 +38,6 @@ TOL = dict.fromkeys(TABLE_GELU, 5e-3)
 # exported and compared.
 QUANTIZED = "is quantized"
 REFUSED: dict[tuple[str, str], str] = {
-    ("microsoft--Phi-4-mini-instruct", "gguf"): "RoPE types llama.cpp runs for phi3: default, linear, yarn, not "
-                                                "'longrope'",
     ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
                                                "length",
     **{("unsloth--gpt-oss-20b-merged", t): "is quantized (MXFP4)" for t in TARGETS},

@@ -3,7 +3,7 @@
 from ..calibration.layouts import ScaleGroup, transformers_layout
 from ..config_audit import KeyRule
 from ..gguf.arch_facts import COMMON_HPARAMS, SLIDING, GGUFArch
-from ..gguf.config_rules import COMMON, NO_SLIDING_GRAPH
+from ..gguf.config_rules import COMMON, NO_SLIDING_GRAPH, ROPE_TYPES, rope_check
 from ..mlx.arch_facts import MlxArch, no_sliding_window, rope_top_level
 from .spec import ArchSpec
 
@@ -36,9 +36,14 @@ ARCH = ArchSpec(
     gguf=GGUFArch(COMMON_HPARAMS + SLIDING, {
         **COMMON,
         "sliding_window": NO_SLIDING_GRAPH["sliding_window"],  # measured: llama.cpp's phi3 attends to all
-        "original_max_position_embeddings": KeyRule("inert", "used only by longrope, which is refused"),
+        "rope_parameters": KeyRule("carried", "rope.freq_base and rope.scaling.* (linear, yarn), or LongRoPE's "
+                                   "rope_factors_short / _long and attn_factor", rope_check(*ROPE_TYPES, "longrope")),
+        "rope_scaling": KeyRule("carried", "as rope_parameters", rope_check(*ROPE_TYPES, "longrope")),
+        "original_max_position_embeddings": KeyRule(
+            "carried", "rope.scaling.original_context_length: llama.cpp rotates with LongRoPE's short factors while "
+            "its context is at most this long, transformers while the sequence is (equal for n_ctx <= it)"),
         "partial_rotary_factor": KeyRule("carried", "rope.dimension_count"),
-    }, write_rope_dims=True, sliding_window_default=0),
+    }, write_rope_dims=True, sliding_window_default=0, longrope=True),
     mlx=MlxArch("phi3", (rope_top_level, no_sliding_window)),
     awq=transformers_layout("phi3", "Phi3", PHI3_GROUPS, no_clip=("self_attn.qkv_proj",)),
     exl3=True,

@@ -30,6 +30,9 @@ class GGUFArch:
     # (GGUF key suffix, key of the full-attention RoPE parameters, kind): written when present (Ministral 3's YaRN
     # betas and attention temperature live in rope_parameters)
     rope_hparams: tuple[HParam, ...] = ()
+    # LongRoPE (Phi-3.5 / Phi-4-mini): rope_factors_short / _long tensors and the attention factor; llama.cpp takes
+    # the short factors while its context is at most original_max_position_embeddings
+    longrope: bool = False
     sliding_window_default: int | None = None  # written when the config has none (phi3: 0 = off)
     softcap: bool = False  # final_logit_softcapping
     attn_softcap: bool = False  # attn_logit_softcapping (Gemma 2)

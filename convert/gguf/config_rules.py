@@ -10,7 +10,7 @@ Facts from llama.cpp's model loader (vendored in llama-cpp-python 0.3.36):
   6th layer global: ``query_pre_attn_scalar`` is folded into ``attn_q_norm`` (exact: the norm's output only
   goes through RoPE, a rotation, before the scale) and other layer patterns are refused;
 - RoPE: default, linear and yarn are carried, llama3 (a ``rope_freqs`` tensor) for the llama graph only
-  (qwen2 does not load the tensor); dynamic NTK, longrope and the others are refused.
+  (qwen2 does not load the tensor), LongRoPE for phi3 (its factor tensors); dynamic NTK and the others are refused.
 """
 
 from __future__ import annotations

@@ -96,6 +96,15 @@ def llama3_rope_freqs(rp: dict, head_dim: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
+def longrope_attention_factor(rp: dict, config: dict, original: int) -> float:
+    """The factor LongRoPE scales cos/sin by, as transformers computes it: given, or sqrt(1 + ln(s) / ln(original))
+    with s = max_position_embeddings / original (1 when s <= 1)."""
+    if rp.get("attention_factor") is not None:
+        return float(rp["attention_factor"])
+    scale = int(config["max_position_embeddings"]) / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+
+
 @dataclass
 class TensorPlan:
     hf_name: str
@@ -170,6 +179,11 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         head_dim = int(config.get("head_dim") or config["hidden_size"] // int(config["num_attention_heads"]))
         plan.extra["rope_freqs.weight"] = llama3_rope_freqs(rp, head_dim)
         plan.tensors.append(TensorPlan("", "rope_freqs.weight", (head_dim // 2,), "F32"))
+    elif rp["rope_type"] in ("longrope", "su") and garch.longrope:
+        for kind in ("long", "short"):
+            factors = torch.tensor(rp[f"{kind}_factor"], dtype=torch.float32)
+            plan.extra[f"rope_factors_{kind}.weight"] = factors
+            plan.tensors.append(TensorPlan("", f"rope_factors_{kind}.weight", tuple(factors.shape), "F32"))
     elif rp["rope_type"] not in ("default", "linear", "yarn"):
         raise UserError(f"RoPE type {rp['rope_type']!r} is not supported for GGUF export",
                         "supported: default, linear, yarn, llama3")
@@ -197,6 +211,11 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         if rp["rope_type"] == "yarn" and rp.get("original_max_position_embeddings"):
             writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
                               int(rp["original_max_position_embeddings"]))
+    if rp["rope_type"] in ("longrope", "su") and garch.longrope:
+        # transformers 5 takes a top-level original_max_position_embeddings (Phi-3's layout) over rope_parameters'
+        original = int(cfg.get("original_max_position_embeddings") or rp["original_max_position_embeddings"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", longrope_attention_factor(rp, cfg, original))
     for suffix, keys, kind in garch.rope_hparams:
         if (value := _cfg(rp, keys)) is not None:
             (writer.add_uint32 if kind == "u32" else writer.add_float32)(f"{arch}.{suffix}", value)
