@@ -40,6 +40,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3": TinyArch("gemma3", "Gemma3Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
                        always_tied=True, text_config_class="Gemma3TextConfig"),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
+    # Seed-OSS-36B's choices: biased q/k/v, head_dim set apart from hidden / heads
+    "seed_oss": TinyArch("seed_oss", "SeedOssConfig", "bpe", (("head_dim", 32), ("attention_bias", True),
+                                                               ("attention_out_bias", False))),
     # Ministral-3-8B's RoPE (YaRN factor 16, mscale 1, Llama 4 temperature 0.1) over an original context of 8
     # positions, so the tests' sequences cross the temperature's first step
     "ministral3": TinyArch("ministral3", "Ministral3Config", "sentencepiece", (
