@@ -69,7 +69,8 @@ class ArchSpec:
     model_type: str
     hf_classes: tuple[str, ...]
     gguf_arch: str
-    # "normal": llama-family RoPE, needs the q/k row permutation in GGUF; "neox": no permutation.
+    # "normal": llama-family RoPE, needs the q/k row permutation in GGUF; "neox": no permutation; "interleaved":
+    # RoPE on interleaved pairs in the checkpoint already (llama.cpp's NORM type), no permutation.
     rope_style: str
     embed: str = "model.embed_tokens"
     lm_head: str = "lm_head"

@@ -40,6 +40,8 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3": TinyArch("gemma3", "Gemma3Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
                        always_tied=True, text_config_class="Gemma3TextConfig"),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
+    # ERNIE-4.5-0.3B's choices: tied embeddings, no biases, head_dim set apart
+    "ernie4_5": TinyArch("ernie4_5", "Ernie4_5Config", "bpe", (("head_dim", 32), ("use_bias", False))),
     # Seed-OSS-36B's choices: biased q/k/v, head_dim set apart from hidden / heads
     "seed_oss": TinyArch("seed_oss", "SeedOssConfig", "bpe", (("head_dim", 32), ("attention_bias", True),
                                                                ("attention_out_bias", False))),
