@@ -113,6 +113,9 @@ CASES = [
         **MINISTRAL3_ROPE, "original_max_position_embeddings": 4}}, "parity"),  # the temperature steps every 4
     Case("seed_oss", "attention_out_bias", {"attention_out_bias": True}, "refused: no output-projection bias"),
     Case("ernie4_5", "use_bias", {"use_bias": True}, "refused: no projection biases"),
+    Case("exaone4", "sliding_window", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+         "refused: 64-layer (32B) shape"),
+    Case("exaone4", "layer_types", {"layer_types": ["full_attention", "full_attention"]}, "parity"),
     Case("olmo3", "sliding_window", {"sliding_window": 4}, "parity"),
     Case("olmo3", "layer_types", {"layer_types": ["full_attention", "sliding_attention", "full_attention",
                                                   "sliding_attention"]}, "parity"),  # any pattern: one flag a layer

@@ -96,6 +96,14 @@ def olmo3_rope(cfg: dict) -> list[str]:
     return filled
 
 
+def rope_scaling_key(cfg: dict) -> list[str]:
+    """mlx-lm's EXAONE 4 requires a ``rope_scaling`` key (None: no scaling), which transformers 5 does not write."""
+    if "rope_scaling" in cfg:
+        return []
+    cfg["rope_scaling"] = None
+    return ["rope_scaling"]
+
+
 def no_sliding_window(cfg: dict) -> list[str]:
     """mlx-lm's Llama (which runs Mistral) and Phi-3 have no sliding window: refuse a window shorter than
     the context."""

@@ -40,6 +40,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "gemma3": TinyArch("gemma3", "Gemma3Config", "sentencepiece", (("head_dim", 32), ("sliding_window", 64)),
                        always_tied=True, text_config_class="Gemma3TextConfig"),
     "olmo2": TinyArch("olmo2", "Olmo2Config", "bpe"),
+    # EXAONE-4.0-1.2B's shape: every layer global with RoPE (no window; transformers 5.19 needs layer_types then)
+    "exaone4": TinyArch("exaone4", "Exaone4Config", "bpe", (("sliding_window", None), ("head_dim", 32),
+                                                             ("layer_types", ["full_attention"] * 2))),
     # ERNIE-4.5-0.3B's choices: tied embeddings, no biases, head_dim set apart
     "ernie4_5": TinyArch("ernie4_5", "Ernie4_5Config", "bpe", (("head_dim", 32), ("use_bias", False))),
     # Seed-OSS-36B's choices: biased q/k/v, head_dim set apart from hidden / heads
