@@ -5,14 +5,12 @@ llama.cpp runs it with its OLMo 2 graph, which reads the per-layer window patter
 from ..calibration.layouts import transformers_layout
 from ..config_audit import KeyRule
 from ..gguf.arch_facts import COMMON_HPARAMS, SLIDING, GGUFArch
-from ..gguf.config_rules import COMMON, NO_BIASES
+from ..gguf.config_rules import COMMON, NO_BIASES, attention_layer_types
 from ..mlx.arch_facts import MlxArch, olmo3_rope
 from .olmo2 import OLMO2_GROUPS
 from .spec import ArchSpec
 
-LAYER_TYPES = KeyRule("carried", "attention.sliding_window_pattern (one flag per layer)",
-                      lambda v, cfg: None if all(t in ("full_attention", "sliding_attention") for t in v)
-                      else f"layer types {sorted(set(v))}")
+LAYER_TYPES = KeyRule("carried", "attention.sliding_window_pattern (one flag per layer)", attention_layer_types)
 
 ARCH = ArchSpec(
     "olmo3",

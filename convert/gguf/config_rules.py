@@ -86,14 +86,20 @@ COMMON: dict[str, KeyRule] = {
     "quantization_config": KeyRule("inert", "quantized inputs are refused before the audit"),
     "pretraining_tp": KeyRule("inert", "transformers 5 computes the same for every value"),
 }
+def attention_layer_types(value, cfg: dict) -> str | None:
+    """Layer types of full or sliding-window attention only (another kind of layer is refused, named)."""
+    if all(t in ("full_attention", "sliding_attention") for t in value):
+        return None
+    return f"layer types {sorted(set(value))}"
+
+
 NO_SLIDING_GRAPH = {
     "sliding_window": KeyRule("capped", "llama.cpp runs no sliding window here: a window shorter than the context "
                               "becomes context_length"),
     "use_sliding_window": KeyRule("capped", "as sliding_window"),
     "max_window_layers": KeyRule("inert", "with use_sliding_window the cap applies to every layer"),
     "layer_types": KeyRule("capped", "sliding layers equal full ones up to the capped context_length",
-                           lambda v, cfg: None if all(t in ("full_attention", "sliding_attention") for t in v)
-                           else f"layer types {sorted(set(v))}"),
+                           attention_layer_types),
 }
 BIASES = {
     "attention_bias": KeyRule("carried", "attn_{q,k,v,output}.bias"),

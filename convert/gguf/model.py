@@ -96,6 +96,11 @@ def llama3_rope_freqs(rp: dict, head_dim: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
+def is_longrope(rp: dict, garch: GGUFArch) -> bool:
+    """LongRoPE (transformers' "longrope", formerly "su") on an architecture whose GGUF carries its factors."""
+    return garch.longrope and rp["rope_type"] in ("longrope", "su")
+
+
 def longrope_attention_factor(rp: dict, config: dict, original: int) -> float:
     """The factor LongRoPE scales cos/sin by, as transformers computes it: given, or sqrt(1 + ln(s) / ln(original))
     with s = max_position_embeddings / original (1 when s <= 1)."""
@@ -179,7 +184,7 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         head_dim = int(config.get("head_dim") or config["hidden_size"] // int(config["num_attention_heads"]))
         plan.extra["rope_freqs.weight"] = llama3_rope_freqs(rp, head_dim)
         plan.tensors.append(TensorPlan("", "rope_freqs.weight", (head_dim // 2,), "F32"))
-    elif rp["rope_type"] in ("longrope", "su") and garch.longrope:
+    elif is_longrope(rp, garch):
         for kind in ("long", "short"):
             factors = torch.tensor(rp[f"{kind}_factor"], dtype=torch.float32)
             plan.extra[f"rope_factors_{kind}.weight"] = factors
@@ -211,7 +216,7 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         if rp["rope_type"] == "yarn" and rp.get("original_max_position_embeddings"):
             writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
                               int(rp["original_max_position_embeddings"]))
-    if rp["rope_type"] in ("longrope", "su") and garch.longrope:
+    if is_longrope(rp, garch):
         # transformers 5 takes a top-level original_max_position_embeddings (Phi-3's layout) over rope_parameters'
         original = int(cfg.get("original_max_position_embeddings") or rp["original_max_position_embeddings"])
         writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)

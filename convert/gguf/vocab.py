@@ -184,7 +184,7 @@ def space_prefix(pipeline: dict, dummy_prefix: bool) -> tuple[bool, str | None]:
     return (dummy_prefix, None) if not pipeline else (False, None)
 
 
-def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
+def _sentencepiece(model_dir: Path, tok, n_vocab: int, live: dict) -> GGUFVocab:
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2
 
@@ -199,7 +199,7 @@ def _sentencepiece(model_dir: Path, tok, n_vocab: int) -> GGUFVocab:
                     else BYTE if sp.IsByte(i) else NORMAL)
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString((model_dir / "tokenizer.model").read_bytes())
-    prefix, inexact = space_prefix(effective_pipeline(tok, model_dir), bool(proto.normalizer_spec.add_dummy_prefix))
+    prefix, inexact = space_prefix(live, bool(proto.normalizer_spec.add_dummy_prefix))
     vocab = GGUFVocab("llama", "default", tokens, types, scores=scores, add_space_prefix=prefix, inexact=inexact)
     _common(tok, vocab, n_vocab)
     return vocab
@@ -228,7 +228,7 @@ def merge_scores(merges: list) -> dict[str, float]:
     return scores
 
 
-def _sentencepiece_json(model_dir: Path, tok, n_vocab: int, tj: dict) -> GGUFVocab:
+def _sentencepiece_json(tok, n_vocab: int, tj: dict) -> GGUFVocab:
     """The SentencePiece vocabulary of the tokenizer transformers runs (``tj``: its tokenizer.json, as transformers
     5 saves every SentencePiece tokenizer, with no tokenizer.model): pieces and ids from its model, scores from
     its merge order (Unigram: its own scores), byte and unknown pieces typed as SentencePiece types them. Where a
@@ -253,7 +253,7 @@ def _sentencepiece_json(model_dir: Path, tok, n_vocab: int, tj: dict) -> GGUFVoc
         byte = re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text) is not None
         tokens[tid], scores[tid] = text, 0.0 if byte or tid == unk else score
         types[tid] = UNKNOWN if tid == unk else BYTE if byte else NORMAL
-    prefix, inexact = space_prefix(effective_pipeline(tok, model_dir), False)
+    prefix, inexact = space_prefix(tj, False)
     vocab = GGUFVocab("llama", "default", tokens, types, scores=scores, add_space_prefix=prefix, inexact=inexact)
     _common(tok, vocab, n_vocab)
     if model["type"] == "BPE":
@@ -299,8 +299,9 @@ def hf_pre_tokenizer(pre: str, byte_level: dict) -> dict | None:
     return {"type": "Sequence", "pretokenizers": [*hf, byte_level]} if hf else byte_level
 
 
-def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None, tj: dict) -> GGUFVocab:
-    live = effective_pipeline(tok, model_dir)  # the pre-tokenizer transformers runs, which may not be the file's
+def _bytelevel_bpe(model_dir: Path, tok, n_vocab: int, bpe_pre: str | None, live: dict) -> GGUFVocab:
+    tj = json.loads((model_dir / "tokenizer.json").read_text())
+    # the pre-tokenizer transformers runs, which may not be the file's
     tj = {**tj, **{k: live[k] for k in ("normalizer", "pre_tokenizer") if k in live}}
     model = tj.get("model", {})
     if model.get("type") != "BPE":
@@ -355,10 +356,10 @@ def read_vocab(model_dir: Path, n_vocab: int, bpe_pre: str | None = None, shown:
     live = effective_pipeline(tok, model_dir)
     if not bpe_pre and is_sentencepiece_json(live):
         # what transformers runs, whether it read tokenizer.json or converted tokenizer.model at load
-        return _with_byte_pieces(_sentencepiece_json(model_dir, tok, n_vocab, live), shown)
+        return _with_byte_pieces(_sentencepiece_json(tok, n_vocab, live), shown)
     if (model_dir / "tokenizer.model").exists() and not bpe_pre:
-        return _with_byte_pieces(_sentencepiece(model_dir, tok, n_vocab), shown)
+        return _with_byte_pieces(_sentencepiece(model_dir, tok, n_vocab, live), shown)
     if (model_dir / "tokenizer.json").exists():
-        return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre, json.loads((model_dir / "tokenizer.json").read_text()))
+        return _bytelevel_bpe(model_dir, tok, n_vocab, bpe_pre, live)
     raise UserError(f"--bpe-pre applies to a byte-level BPE tokenizer, and {shown} has no tokenizer.json",
                     "drop --bpe-pre (its tokenizer.model is SentencePiece)")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 32  # values sharing one scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
 ROWS_PER_CHUNK = 1 << 16  # blocks decoded at once: the work space stays small for any expert tensor
