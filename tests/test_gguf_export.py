@@ -495,5 +495,5 @@ def test_a_sentencepiece_tokenizer_saved_without_its_model_file_exports_the_same
         res = export(cli, "--base", model, "--quant", "f32", "--out", tmp_path / f"{model.name}-gguf")
         assert res["tokenizer_check"]["passed"], res["tokenizer_check"]
         reader = open_gguf(next((tmp_path / f"{model.name}-gguf").glob("*.gguf")))
-        fields.append({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+        fields.append({k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")})
     assert fields[0] == fields[1]

@@ -450,7 +450,7 @@ from concurrent.futures import ThreadPoolExecutor
 e = LlamaCppEngine(Path({str(model)!r}), n_ctx=64, kv_f32=True)
 for v in {ADAPTERS!r}:
     e.load_adapter(v, Path({str(bundle)!r}) / "adapters" / f"{{v}}-F32.gguf")
-jobs = [(c, i) for c in [None, *{ADAPTERS!r}] for i in range({len(PROMPTS)})]
+jobs = [(c, i) for i in range({len(PROMPTS)}) for c in [None, *{ADAPTERS!r}]]  # sets interleaved: 4 at once
 run = lambda j: list(e.generate(GenerationRequest({PROMPTS!r}[j[1]], {{j[0]: 1.0}} if j[0] else {{}}, max_tokens={N},
                                                   ignore_eos=True)))
 with ThreadPoolExecutor(4) as ex:
@@ -463,6 +463,6 @@ e.close()
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("@@"))[2:])
     assert res["batching"] == "one adapter set per decode" and res["sets"] >= 2
-    jobs = [(c, i) for c in [None, *ADAPTERS] for i in range(len(PROMPTS))]
+    jobs = [(c, i) for i in range(len(PROMPTS)) for c in [None, *ADAPTERS]]
     want = [fresh_greedy(model, bundle / "adapters" / f"{c}-F32.gguf" if c else None, PROMPTS[i], N) for c, i in jobs]
     assert res["got"] == want

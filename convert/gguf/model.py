@@ -6,6 +6,7 @@ Architecture quirks come from the entry's ``GGUFArch`` (``convert.arch``); names
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,9 +311,38 @@ def _hashing_writer(path: Path, arch: str):
             if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
                 head = self._pack("I", vtype) if add_vtype else b""
                 return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            if (vtype == gguf.GGUFValueType.ARRAY and isinstance(val, list) and val and isinstance(val[0], str)
+                    and sub_type in (None, gguf.GGUFValueType.STRING) and self.endianess == gguf.GGUFEndian.LITTLE
+                    and all(isinstance(v, str) for v in val)):
+                # a vocabulary's strings in one join (gguf packs them one call at a time: seconds for 200k)
+                items = [v.encode() for v in val]
+                head = self._pack("I", vtype) if add_vtype else b""
+                return (head + self._pack("I", gguf.GGUFValueType.STRING) + self._pack("Q", len(items))
+                        + b"".join(struct.pack("<Q", len(b)) + b for b in items))
+            if vtype == gguf.GGUFValueType.ARRAY and isinstance(val, list) and val and (
+                    fmt := _number_array_format(val, sub_type)) and self.endianess == gguf.GGUFEndian.LITTLE:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + struct.pack(f"<IQ{len(val)}{fmt[1]}", fmt[0], len(val), *val)
             return super()._pack_val(val, vtype, add_vtype, sub_type)
 
     return HashingGGUFWriter(str(path), arch)
+
+
+def _number_array_format(val: list, sub_type) -> tuple[int, str] | None:
+    """(GGUF item type, struct format) for a list of numbers gguf would pack one at a time (a vocabulary's scores
+    and token types), or None."""
+    import gguf
+
+    if sub_type is None:
+        if all(type(v) is float for v in val):
+            sub_type = gguf.GGUFValueType.FLOAT32
+        elif all(type(v) is int for v in val):
+            sub_type = gguf.GGUFValueType.INT32
+        else:
+            return None
+    fmt = {gguf.GGUFValueType.FLOAT32: "f", gguf.GGUFValueType.INT32: "i", gguf.GGUFValueType.UINT32: "I",
+           gguf.GGUFValueType.FLOAT64: "d", gguf.GGUFValueType.INT64: "q", gguf.GGUFValueType.UINT64: "Q"}.get(sub_type)
+    return (int(sub_type), fmt) if fmt else None
 
 
 def write_gguf_models(

@@ -6,10 +6,9 @@ Used by ``inspect``, the serving policy and the llama.cpp backend, so all three 
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,97 +22,190 @@ def _bad(path: str | Path, why: str) -> UserError:
     return UserError(f"{path} is not a valid GGUF file ({why})", "re-export or re-download it")
 
 
-def _problem(path: str | Path, e: Exception) -> str:
-    """What is wrong with a file ``GGUFReader`` refused, in words (its own messages are numpy's)."""
+class _Corrupt(Exception):
+    """What is wrong with a file's bytes, in words (becomes the UserError's reason)."""
+
+
+# GGUF metadata value types (gguf.GGUFValueType's numbers): struct format of the scalars
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's entry in a GGUF header: ``shape`` as GGUF stores it (``ne``, innermost first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    n_elements: int
+    n_bytes: int
+    offset: int  # from the start of the file
+
+
+@dataclass
+class GGUFHeader:
+    """A GGUF file's metadata (decoded values) and tensor entries; no tensor data is read."""
+
+    version: int
+    fields: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+    alignment: int
+    data_offset: int
+
+
+class _HeaderParser:
+    """The header of a GGUF file, parsed straight from its bytes (gguf's ``GGUFReader`` builds a numpy view per
+    string: a minute for a 200k-token vocabulary). Every count is checked against the bytes left, so a corrupt
+    count is an error at once, never a long loop."""
+
+    def __init__(self, buf, order: str) -> None:
+        self.buf, self.o, self.pos = buf, order, 0
+
+    def take(self, fmt: str):
+        size = struct.calcsize(self.o + fmt)
+        if self.pos + size > len(self.buf):
+            raise _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {len(self.buf)} bytes")
+        vals = struct.unpack_from(self.o + fmt, self.buf, self.pos)
+        self.pos += size
+        return vals if len(vals) > 1 else vals[0]
+
+    def raw_string(self) -> bytes:
+        n = self.take("Q")
+        self.need(n)
+        out = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return out
+
+    def need(self, n: int) -> None:
+        if n > len(self.buf) - self.pos:
+            raise _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {len(self.buf)} bytes")
+
+    def key(self) -> str:
+        try:
+            return self.raw_string().decode()
+        except UnicodeDecodeError:
+            raise _Corrupt("a metadata key or tensor name is not UTF-8") from None
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.raw_string().decode("utf-8", "replace")
+        if (fmt := _SCALARS.get(vtype)) is not None:
+            return self.take(fmt)
+        if vtype != _ARRAY:
+            raise _Corrupt(f"unknown metadata value type {vtype}")
+        itype, count = self.take("IQ")
+        if (fmt := _SCALARS.get(itype)) is not None:  # numbers: one unpack for the whole array
+            self.need(count * struct.calcsize(fmt))
+            vals = struct.unpack_from(f"{self.o}{count}{fmt}", self.buf, self.pos)
+            self.pos += count * struct.calcsize(fmt)
+            return list(vals)
+        if itype not in (_STRING, _ARRAY):
+            raise _Corrupt(f"unknown metadata value type {itype}")
+        self.need(count * (8 if itype == _STRING else 12))  # the smallest an item can be
+        if itype == _ARRAY:
+            return [self.value(itype) for _ in range(count)]
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), struct.Struct(self.o + "Q").unpack_from
+        items = []
+        for _ in range(count):  # a vocabulary: 200k strings, one tight loop
+            if pos + 8 > end or (n := length(buf, pos)[0]) > end - pos - 8:
+                raise _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {end} bytes")
+            items.append(buf[pos + 8:pos + 8 + n])
+            pos += 8 + n
+        self.pos = pos
+        return [b.decode("utf-8", "replace") for b in items]
+
+
+def _parse_header(buf) -> GGUFHeader:
+    """The header of the GGUF bytes ``buf`` (a memory map), or _Corrupt."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if len(buf) == 0:
+        raise _Corrupt("the file is empty")
+    if bytes(buf[:4]) != b"GGUF":
+        raise _Corrupt(f"it starts with {bytes(buf[:4])!r}, not GGUF")
+    order = "<"
+    if len(buf) >= 8 and struct.unpack_from("<I", buf, 4)[0] & 0xFFFF == 0:
+        order = ">"  # a big-endian file (gguf's and llama.cpp's test for it)
+    p = _HeaderParser(buf, order)
+    p.pos = 4
+    version = p.take("I")
+    if version not in VERSIONS:
+        raise _Corrupt(f"GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, VERSIONS))}")
+    n_tensors, n_kv = p.take("QQ")
+    p.need(n_kv * 12)  # the smallest a key/value can be
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = p.key()
+        if key in fields:
+            raise _Corrupt(f"metadata key {key} appears twice")
+        fields[key] = p.value(p.take("I"))
+    p.need(n_tensors * 24)  # the smallest a tensor entry can be
+    entries = []
+    for _ in range(n_tensors):
+        name = p.key()
+        n_dims = p.take("I")
+        p.need(n_dims * 8)
+        dims = p.take(f"{n_dims}Q") if n_dims else ()
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        entries.append((name, dims, *p.take("IQ")))
+    align = fields.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+        raise _Corrupt("general.alignment is not a power of two")
+    data_offset = p.pos + (-p.pos % align)
+    tensors, names = [], set()
+    for name, dims, ggml_type, offset in entries:
+        if name in names:
+            raise _Corrupt(f"two tensors named {name}")
+        names.add(name)
+        if ggml_type not in GGMLQuantizationType._value2member_map_:
+            raise _Corrupt(f"unknown tensor type {ggml_type}")
+        if len(dims) > GGML_MAX_DIMS:
+            raise _Corrupt(f"tensor {name} has {len(dims)} dimensions; llama.cpp allows {GGML_MAX_DIMS}")
+        numel = math.prod(dims)
+        if numel >= 2**63:
+            raise _Corrupt(f"tensor {name}'s shape {list(reversed(dims))} overflows")
+        qtype = GGMLQuantizationType(ggml_type)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if offset % align:
+            raise _Corrupt(f"tensor {name}'s data is not aligned to {align} bytes")
+        n_bytes = numel * type_size // block
+        if data_offset + offset + n_bytes > len(buf):
+            raise _Corrupt(f"truncated or corrupt: tensor {name}'s data runs past its {len(buf)} bytes")
+        tensors.append(GGUFTensorInfo(name, dims, qtype, numel, n_bytes, data_offset + offset))
+    return GGUFHeader(version, fields, tensors, align, data_offset)
+
+
+def open_gguf(path: str | Path) -> GGUFHeader:
+    """The metadata and tensor entries of the GGUF file ``path`` (memory-mapped while read; no tensor data is
+    read); UserError if it is not GGUF, or not a file llama.cpp would load (a tensor of more than 4 dimensions,
+    data off the alignment or past the end of the file)."""
+    import mmap
+
     try:
-        with open(path, "rb") as f:
-            head, size = f.read(8), Path(path).stat().st_size
-    except OSError as oe:
-        return f"cannot read it: {oe.strerror}"
-    if size == 0:
-        return "the file is empty"
-    if head[:4] != b"GGUF":
-        return f"it starts with {head[:4]!r}, not GGUF"
-    if len(head) == 8:
-        version = min(struct.unpack("<I", head[4:])[0], struct.unpack(">I", head[4:])[0])  # either byte order
-        if version not in VERSIONS:
-            return f"GGUF version {version}; llama.cpp reads versions {' and '.join(map(str, VERSIONS))}"
-    msg = str(e)
-    if m := re.search(r"\((\d+)\) is not a valid (GGUFValueType|GGMLQuantizationType)", msg):
-        return f"unknown {'metadata value' if m[2] == 'GGUFValueType' else 'tensor'} type {m[1]}"
-    if isinstance(e, ValueError) and "duplicated tensor" in msg:
-        return f"two tensors named {msg.rsplit(' ', 1)[-1]}"
-    if isinstance(e, ValueError) and "alignment" in msg:
-        return "general.alignment is not a power of two"
-    return f"truncated or corrupt: its metadata or tensors run past its {size} bytes"
-
-
-@functools.cache
-def _strict_reader():
-    """``gguf.GGUFReader`` stopping at the end of the file. gguf reads past the end as empty arrays, so an array
-    that claims more items than the file holds loops (and grows) for as long as it claims: a hang."""
-    import numpy as np
-    from gguf import GGUFReader, GGUFValueType
-
-    class StrictGGUFReader(GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            arr = super()._get(offset, dtype, count, override_order)
-            if arr.size != int(count):
-                raise ValueError("read past the end of the file")
-            return arr
-
-        def _get_field_parts(self, orig_offs, raw_type):
-            if raw_type == GGUFValueType.ARRAY:  # the smallest its items can be, times their count, must fit
-                itype, count = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
-                scalar = self.gguf_scalar_to_np.get(itype) if itype in GGUFValueType._value2member_map_ else None
-                smallest = np.dtype(scalar).itemsize if scalar else 8 if itype == GGUFValueType.STRING else 12
-                if count * smallest > len(self.data) - orig_offs - 12:
-                    raise ValueError("read past the end of the file")
-            return super()._get_field_parts(orig_offs, raw_type)
-
-    return StrictGGUFReader
-
-
-def open_gguf(path: str | Path):
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, nothing loaded); UserError if it is not GGUF, or
-    not a file llama.cpp would load (a tensor of more than 4 dimensions, or data off the alignment)."""
-    try:
-        reader_class = _strict_reader()
+        import gguf.constants  # noqa: F401 - the tensor types' block sizes
     except ImportError as e:
         raise UserError("reading GGUF needs the gguf package", "pip install 'tuneport[gguf]'") from e
-    import numpy as np
-
     try:
-        with np.errstate(all="ignore"):  # gguf adds offsets in uint64 (wrapping; checked below), a warning each
-            reader = reader_class(str(path))
-    except Exception as e:
-        raise _bad(path, _problem(path, e)) from e
-    align, end = int(reader.alignment), len(reader.data) - int(reader.data_offset)
-    for t in reader.tensors:  # what llama.cpp checks and gguf does not (it computes in wrapping uint64)
-        if len(t.shape) > GGML_MAX_DIMS:
-            raise _bad(path, f"tensor {t.name} has {len(t.shape)} dimensions; llama.cpp allows {GGML_MAX_DIMS}")
-        numel, offset = math.prod(int(d) for d in t.shape), int(t.field.parts[-1][0])
-        if numel != int(t.n_elements) or numel >= 2**63:
-            raise _bad(path, f"tensor {t.name}'s shape {[int(d) for d in t.shape]} overflows")
-        if offset % align:
-            raise _bad(path, f"tensor {t.name}'s data is not aligned to {align} bytes")
-        if offset + int(t.n_bytes) > end:
-            raise _bad(path, f"tensor {t.name}'s data runs past the end of the file")
-    return reader
+        with open(path, "rb") as f:
+            if Path(path).stat().st_size == 0:
+                raise _Corrupt("the file is empty")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return _parse_header(mm)
+    except _Corrupt as e:
+        raise _bad(path, str(e)) from None
+    except OSError as e:
+        raise _bad(path, f"cannot read it: {e.strerror}") from None
 
 
-def gguf_field(reader, key: str) -> Any:
-    """A metadata value (str, number or list), or None when absent or unreadable."""
-    f = reader.fields.get(key)
-    try:
-        return f.contents() if f is not None else None
-    except Exception:
-        return None
+def gguf_field(reader: GGUFHeader, key: str) -> Any:
+    """A metadata value (str, number or list), or None when absent."""
+    return reader.fields.get(key)
 
 
-def torch_shape(tensor) -> tuple[int, ...]:
+def torch_shape(tensor: GGUFTensorInfo) -> tuple[int, ...]:
     """A GGUF tensor's shape in PyTorch order (GGUF stores ``ne`` innermost first)."""
-    return tuple(int(x) for x in reversed(tensor.shape.tolist()))
+    return tuple(reversed(tensor.shape))
 
 
 def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:

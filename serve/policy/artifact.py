@@ -194,7 +194,7 @@ def _gguf_lora_shapes(reader, garch: str, n_layers: int
     if arch is None or garch.upper() not in gguf.MODEL_ARCH.__members__:
         return {}, {}
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[garch.upper()], max(n_layers, 1))
-    shapes = {t.name.removesuffix(".weight"): tuple(int(x) for x in t.shape.tolist()) for t in reader.tensors}
+    shapes = {t.name.removesuffix(".weight"): t.shape for t in reader.tensors}
     shapes = {k: v for k, v in shapes.items() if len(v) == 2}
 
     def shape(hf_module: str) -> tuple[int, int] | None:

@@ -868,11 +868,11 @@ gguf_case("truncated-in-the-tensor-infos",
           "error: {gguf} is not a valid GGUF file (truncated or corrupt: its metadata or tensors run past "
           "its 120 bytes): re-export or re-download it", truncate=120)
 gguf_case("truncated-in-the-data",
-          "error: {gguf} is not a valid GGUF file (truncated or corrupt: its metadata or tensors run past "
-          "its 260 bytes): re-export or re-download it", truncate=260)
+          "error: {gguf} is not a valid GGUF file (truncated or corrupt: tensor token_embd.weight's data runs "
+          "past its 260 bytes): re-export or re-download it", truncate=260)
 gguf_case("tensor-data-past-the-end",
-          "error: {gguf} is not a valid GGUF file (truncated or corrupt: its metadata or tensors run past "
-          "its 384 bytes): re-export or re-download it",
+          "error: {gguf} is not a valid GGUF file (truncated or corrupt: tensor output_norm.weight's data runs "
+          "past its 384 bytes): re-export or re-download it",
           tensors=[("token_embd.weight", (4, 8), 0, 0), ("output_norm.weight", (4,), 0, 1 << 20)])
 gguf_case("tensor-offset-unaligned",
           "error: {gguf} is not a valid GGUF file (tensor output_norm.weight's data is not aligned to 32 "
@@ -880,8 +880,8 @@ gguf_case("tensor-offset-unaligned",
           tensors=[("token_embd.weight", (4, 8), 0, 0), ("output_norm.weight", (4,), 0, 129)])
 # gguf adds offsets in uint64: this one read the file's first bytes as the tensor (and printed numpy's warning)
 gguf_case("tensor-offset-wraps-around",
-          "error: {gguf} is not a valid GGUF file (tensor output_norm.weight's data runs past the end of "
-          "the file): re-export or re-download it",
+          "error: {gguf} is not a valid GGUF file (truncated or corrupt: tensor output_norm.weight's data runs "
+          "past its 384 bytes): re-export or re-download it",
           tensors=[("token_embd.weight", (4, 8), 0, 0), ("output_norm.weight", (4,), 0, (1 << 64) - 32)])
 gguf_case("tensor-count-huge",
           "error: {gguf} is not a valid GGUF file (truncated or corrupt: its metadata or tensors run past "
