@@ -561,3 +561,29 @@ def test_experts_of_a_layer_are_quantized_alike(zoo, tmp_path, cli):
     (cfg / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0]}))
     code, _, err = cli("export", "--base", cfg, "--target", "awq", "--out", out)
     assert code == 2 and "dense MLP layers among its sparse ones" in err and not out.exists(), err
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_verify_keeps_one_vllm_child_and_replaces_it_after_a_failed_job(zoo, tmp_path):
+    """verify's vLLM child serves one job after another (vLLM imported once); a model vLLM cannot load gives
+    verify's one-line error and ends that child, and the next verification starts a fresh one and passes."""
+    import shutil
+
+    from tuneport.convert.errors import UserError
+    from tuneport.toolkit.verify import vllm_runner
+
+    base = zoo.base("llama")
+    first = tuneport.verify(artifact=base, reference=base, tokens=16, default_gates=False)
+    pid = vllm_runner._WORKER._proc.pid
+    again = tuneport.verify(artifact=base, reference=base, tokens=16, default_gates=False)
+    assert vllm_runner._WORKER._proc.pid == pid and again.metrics == first.metrics
+    broken = tmp_path / "broken"
+    shutil.copytree(base, broken)
+    for shard in broken.glob("*.safetensors"):
+        shard.write_bytes(b"\0" * 64)  # vLLM fails to read the weights
+    with pytest.raises(UserError, match="vLLM could not run"):
+        tuneport.verify(artifact=broken, reference=base, tokens=16, default_gates=False)
+    assert vllm_runner._WORKER._proc is None
+    after = tuneport.verify(artifact=base, reference=base, tokens=16, default_gates=False)
+    assert after.metrics == first.metrics and first.metrics["kl"] < 1e-6

@@ -6,10 +6,12 @@ tokens are those of the model directory's HF tokenizer, which vLLM uses."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -66,6 +68,93 @@ def compute_dtype(model_dir: Path) -> str:
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
 
 
+class VllmWorker:
+    """The child process that runs vLLM for verify (:mod:`.vllm_child`), started at the first job and kept for
+    the next ones: vLLM's import and start-up are paid once per Python process, not once per artifact (a release
+    verifying several, or the API called in a loop). A job that fails ends the child; the next starts a new one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None
+
+    def _start(self) -> subprocess.Popen:
+        import tempfile
+
+        self._stderr = tempfile.TemporaryFile()  # vLLM's logs: a file, so a full pipe never blocks the child
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        return subprocess.Popen([sys.executable, "-m", "tuneport.toolkit.verify.vllm_child"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
+
+    def _last_log_line(self) -> str:
+        if self._stderr is None:
+            return "no output"
+        self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, self._stderr.tell() - 8192))
+        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return (lines or ["no output"])[-1][:200]
+
+    def run(self, job: dict, model_dir: Path) -> dict:
+        from .vllm_child import FAILED, MARKER
+
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+            proc = self._proc
+            why = None
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+                for line in proc.stdout:
+                    if line.startswith(MARKER):
+                        return json.loads(line[len(MARKER):])
+                    if line.startswith(FAILED):
+                        why = json.loads(line[len(FAILED):])[:200]
+                        break
+            except BrokenPipeError:
+                pass
+            except BaseException:  # interrupted mid-job: its answer must never be read as the next job's
+                self._kill_locked()
+                raise
+            why = why or self._last_log_line()
+            self.close_locked()
+        raise UserError(f"vLLM could not run {model_dir} ({why})", "run it with vLLM directly to see why")
+
+    def _kill_locked(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.close_locked()
+
+    def close_locked(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.stdin.close()
+                try:
+                    self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            self._proc = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+    def close(self) -> None:
+        """Ends the child (at exit, or to give its memory back sooner)."""
+        with self._lock:
+            self.close_locked()
+
+
+_WORKER = VllmWorker()
+atexit.register(_WORKER.close)
+
+
+def close_vllm_worker() -> None:
+    """Ends verify's vLLM child process now (it ends at exit otherwise)."""
+    _WORKER.close()
+
+
 class VllmRunner:
     engine = "vLLM"
     exact_logits = False
@@ -106,25 +195,13 @@ class VllmRunner:
 
     def _run_job(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int, rank: int | None,
                  lora: Path | None) -> dict:
-        import tempfile
-
         vocab = len(self.tok)
         job = {"model": str(self.model_dir), "lora": str(lora) if lora else None, "max_lora_rank": rank,
                "dtype": self.dtype,
                "ids": ids, "greedy_prompt": greedy_prompt, "greedy_tokens": max(1, greedy_tokens),
                "top_k": min(vocab, TOP_K),
                "max_model_len": max(len(ids) + 1, len(greedy_prompt) + max(greedy_tokens, 1))}
-        with tempfile.TemporaryDirectory() as tmp:
-            spec = Path(tmp) / "job.json"
-            spec.write_text(json.dumps(job))
-            proc = subprocess.run([sys.executable, "-m", "tuneport.toolkit.verify.vllm_child", str(spec)],
-                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":
-                                                                       os.environ.get("OMP_NUM_THREADS", "1")})
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("@@TUNEPORT-VLLM@@")), None)
-        if proc.returncode != 0 or line is None:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            raise UserError(f"vLLM could not run {self.model_dir} ({last})", "run it with vLLM directly to see why")
-        return json.loads(line[len("@@TUNEPORT-VLLM@@"):])
+        return _WORKER.run(job, self.model_dir)
 
     def prepare(self, ids: list[int], greedy_prompt: list[int], greedy_tokens: int) -> None:
         """One vLLM run for everything verify asks (with and without the LoRA)."""
