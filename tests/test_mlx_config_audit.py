@@ -23,6 +23,9 @@ CASES = [  # (arch, config values the tiny model is built with, a piece of the r
     ("mixtral", {"sliding_window": 8}, "sliding window of 8 tokens"),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
                "sliding_window": 8}, "with full attention"),
+    # mlx-lm's exaone4 places windows by sliding_window_pattern (EXAONE-4.0-32B's "LLLG" passes, tests/real)
+    ("exaone4", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                 "sliding_window_pattern": "LLLG"}, "places sliding layers by sliding_window_pattern ('LLLG')"),
 ]
 
 

@@ -45,7 +45,8 @@ REFUSED: dict[tuple[str, str], str] = {
     ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
     ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",
     **{(name, t): QUANTIZED for name in ("axolotl--llama2-7b-qlora", "peft--tinyllama-merged-keeps-bnb-quant",
-                                         "mlx-lm--llama-3.2-1b-fused") for t in TARGETS},
+                                         "mlx-lm--llama-3.2-1b-fused", "mistralai--Devstral-Small-2-24B-Instruct")
+       for t in TARGETS},
 }
 OUTCOMES: dict[tuple[str, str], str] = {}
 

@@ -466,3 +466,42 @@ e.close()
     jobs = [(c, i) for i in range(len(PROMPTS)) for c in [None, *ADAPTERS]]
     want = [fresh_greedy(model, bundle / "adapters" / f"{c}-F32.gguf" if c else None, PROMPTS[i], N) for c, i in jobs]
     assert res["got"] == want
+
+
+@pytest.mark.llamacpp
+def test_longrope_serves_with_the_short_factors_transformers_uses(tmp_path, caplog, monkeypatch):
+    """Phi-4-mini's LongRoPE (as it ships: rope_scaling longrope, an original context): llama.cpp takes the long
+    factors when a context's cells exceed the original context, and a served context holds n_ctx × n_seq_max
+    cells; the engine raises the GGUF's original context to the cells when no request can outgrow it, so served
+    tokens are transformers' (without that they differ); past it, the engine says what differs."""
+    import json
+
+    from tuneport.convert.gguf.runtime import LongRopeChoice
+    from tuneport.toolkit.fidelity import load_hf
+    from tuneport.toolkit.tiny import make_base
+
+    base = make_base("phi3", tmp_path / "phi4-mini-shaped", dims={"max_position_embeddings": 4096})
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(rope_parameters=None, rope_theta=10000.0, original_max_position_embeddings=256, rope_scaling={
+        "type": "longrope", "short_factor": [1.0 + i / 32 for i in range(16)],
+        "long_factor": [1.0 + 2 * i for i in range(16)]})
+    (base / "config.json").write_text(json.dumps(cfg, indent=2))
+    tuneport.export(base=base, target="gguf", quant="f32", out=tmp_path / "gguf")
+    model = next((tmp_path / "gguf").glob("*.gguf"))
+    prompt = [1, 50, 60, 70, 80, 90, 100, 7]
+    want = greedy(load_hf(base), prompt, N)
+
+    def served(**kw) -> tuple[list[int], str | None]:
+        e = LlamaCppEngine(model, kv_f32=True, **kw)
+        try:
+            return list(e.generate(GenerationRequest(prompt, {}, max_tokens=N, ignore_eos=True))), e.rope_note
+        finally:
+            e.close()
+
+    assert served(n_ctx=128, n_seq_max=4) == (want, None)  # 512 cells, past the original 256
+    with monkeypatch.context() as m:  # llama.cpp's own choice: the long factors
+        m.setattr(sys.modules[LlamaCppEngine.__module__], "longrope_choice", lambda *a: LongRopeChoice(None, None))
+        assert served(n_ctx=128, n_seq_max=4)[0] != want
+    with caplog.at_level(logging.WARNING):
+        _, note = served(n_ctx=512, n_seq_max=1)
+    assert "past LongRoPE's original context of 256" in note and note in caplog.text

@@ -9,6 +9,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
@@ -130,3 +131,45 @@ def chat_renderer(template: str, bos_text: str, eos_text: str) -> Callable[..., 
         return res.prompt, not res.added_special
 
     return render
+
+
+@dataclass(frozen=True)
+class LongRopeChoice:
+    """Which LongRoPE factors a llama.cpp context rotates with. llama.cpp takes ``rope_factors_long`` whenever the
+    context's cells per sequence exceed ``rope.scaling.original_context_length``; transformers takes the long factors
+    only for a sequence longer than that. A server's unified cache has many requests' cells, so its contexts would
+    rotate even short requests with the long factors: when no request can outgrow the original context, the key is
+    raised to the cells (``override``) and every request rotates as transformers does."""
+
+    override: tuple[str, int] | None  # (GGUF key, value) for llama_model_params.kv_overrides
+    note: str | None  # what differs from transformers, when something does
+
+
+def longrope_choice(header, cells: int, request_ctx: int) -> LongRopeChoice:
+    """For a GGUF ``header`` (``read.open_gguf``) loaded into contexts of ``cells`` cells (llama.cpp pads to 256)
+    serving requests of at most ``request_ctx`` tokens."""
+    arch = header.fields.get("general.architecture")
+    key = f"{arch}.rope.scaling.original_context_length"
+    original = header.fields.get(key)
+    if not any(t.name == "rope_factors_long.weight" for t in header.tensors) or not isinstance(original, int):
+        return LongRopeChoice(None, None)
+    padded = -(-cells // 256) * 256
+    if padded <= original:
+        return LongRopeChoice(None, None)
+    if request_ctx <= original:
+        return LongRopeChoice((key, padded), None)
+    return LongRopeChoice(None, f"n_ctx {request_ctx} is past LongRoPE's original context of {original}: llama.cpp "
+                                f"rotates every request with the long factors, transformers only a sequence longer "
+                                f"than {original} tokens (shorter ones differ slightly; --n-ctx {original} or less "
+                                f"rotates them as transformers does)")
+
+
+def kv_overrides(llama_cpp, values: dict[str, int]):
+    """A ``llama_model_kv_override`` array for ``llama_model_params.kv_overrides`` (integers; an empty key ends it).
+    Keep it referenced until the model is loaded."""
+    arr = (llama_cpp.llama_model_kv_override * (len(values) + 1))()
+    for item, (key, value) in zip(arr, values.items(), strict=False):
+        item.key = key.encode()
+        item.tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT
+        item.value.val_i64 = value
+    return arr

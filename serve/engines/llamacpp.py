@@ -30,7 +30,13 @@ from pathlib import Path
 
 from tuneport.convert.errors import UserError
 from tuneport.convert.gguf.read import check_gguf_lora, gguf_field, open_gguf, tensor_shapes
-from tuneport.convert.gguf.runtime import llamacpp_errors, llamacpp_logging, llamacpp_reason
+from tuneport.convert.gguf.runtime import (
+    kv_overrides,
+    llamacpp_errors,
+    llamacpp_logging,
+    llamacpp_reason,
+    longrope_choice,
+)
 
 from .base import Event, EventStream, GenerationRequest, tokens_of
 from .llamacpp_decode import DecodeLoop
@@ -66,6 +72,11 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         reader = open_gguf(self.model_path)
         self.arch = gguf_field(reader, "general.architecture")
         self.tensor_shapes = tensor_shapes(reader)
+        # LongRoPE (Phi-3.5, Phi-4-mini): the short factors for every request that fits the original context
+        rope = longrope_choice(reader, n_ctx * n_seq_max, n_ctx)
+        self.rope_note = rope.note
+        if rope.note:
+            log.warning("llama.cpp: %s", rope.note)
         del reader
         # llama.cpp logs while loading and at every adapter switch: to `logging` for the engine's lifetime
         self._logging = contextlib.ExitStack()
@@ -73,6 +84,9 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers  # -1: all (see convert.gguf.gpu)
+        overrides = kv_overrides(llama_cpp, dict([rope.override])) if rope.override else None
+        if overrides is not None:
+            mp.kv_overrides = overrides
         self.n_gpu_layers = n_gpu_layers
         with llamacpp_errors() as errors:
             self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)

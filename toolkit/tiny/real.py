@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 
+from tuneport.convert.arch.exaone4 import WINDOW_DEPTH
+
 from .models import TINY_ARCHS, _write_image_processor
 from .tokenizers import TOKENIZER_WRITERS
 
 HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
 MIN_LAYERS = 4
+KEPT_DEPTHS = {"exaone4": (WINDOW_DEPTH,)}  # llama.cpp runs EXAONE 4's sliding windows at 64 layers only
 # a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds Gemma 3's)
 VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 32, "patch_size": 8}
@@ -27,7 +30,10 @@ MM_TOKENS_PER_IMAGE = 4
 
 def _layers(cfg: dict, derived: dict) -> int:
     """Enough layers to hold each per-layer pattern once (Gemma 3: 5 sliding, 1 global; SmolLM3: RoPE off on every
-    4th), whether the file lists it or transformers derives it; at least MIN_LAYERS."""
+    4th), whether the file lists it or transformers derives it; at least MIN_LAYERS. A depth an engine keys its graph
+    on (KEPT_DEPTHS) stays as it is."""
+    if cfg.get("num_hidden_layers") in KEPT_DEPTHS.get(cfg.get("model_type"), ()):
+        return int(cfg["num_hidden_layers"])
     n = MIN_LAYERS
     for key in ("layer_types", "no_rope_layers"):
         values = cfg.get(key, derived.get(key))
