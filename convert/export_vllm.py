@@ -152,7 +152,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
             raise UserError("--max-lora-rank applies to --adapters separate", "drop it, or keep the adapters separate")
         plan = plan_merge(ckpt, loaded, opts.dtype)
         plan.config_updates.update(updates := vllm_config_updates(plan.config))
-        plan.notes += [f"config.json: {k} added, as vLLM reads it" for k in updates]
+        plan.notes += [f"config.json: {k} set, as vLLM reads it" for k in updates]
         with atomic_dir(opts.out, force=opts.force) as tmp:
             hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress, rename=vllm_renamer(ckpt))
             load_check = check_hf_dir(tmp)
@@ -190,6 +190,6 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
                       "adapters": check_adapter_dirs(base_dir, [tmp / p for p in paths.values()])}
         manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                   {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype,
-                                   "notes": [f"config.json: {k} added, as vLLM reads it" for k in updates]},
+                                   "notes": [f"config.json: {k} set, as vLLM reads it" for k in updates]},
                                   extra={"fixes": fixes, "load_check": load_check})
     return ExportResult(opts.out, "vllm", manifest, notes=[serve_note], fixes={k: v for k, v in fixes.items() if v})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .adapter import Adapter, saved_base_layers
-from .arch import ArchSpec
+from .arch import ArchSpec, known_arch
 from .checkpoint import Checkpoint
 from .errors import UserError
 from .multimodal import TEXT_TOWERS, vision_parts
@@ -61,10 +61,22 @@ def llama_4_scaling(config: dict) -> dict:
 VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling}
 
 
+def native_architectures(config: dict) -> dict:
+    """A checkpoint saved for its remote code (ERNIE 4.5's ``Ernie4_5_ForCausalLM`` and ``auto_map``, as ModelScope
+    ships it) names a class vLLM has not registered; transformers runs its model_type natively, and so does vLLM
+    under the native class's name."""
+    spec = known_arch(str(config.get("model_type")))
+    names = config.get("architectures") or []
+    if spec is None or not names or any(n in spec.hf_classes for n in names):
+        return {}
+    return {"architectures": [spec.hf_classes[0]]}
+
+
 def vllm_config_updates(config: dict) -> dict:
-    """Keys to add to ``config`` so that vLLM computes what transformers does with it (none for most models)."""
+    """Keys to add to (or replace in) ``config`` so that vLLM loads it and computes what transformers does with it
+    (none for most models)."""
     fix = VLLM_CONFIG_FIXES.get(str(config.get("model_type")))
-    return fix(config) if fix else {}
+    return {**native_architectures(config), **(fix(config) if fix else {})}
 
 
 def vllm_refusal(model_type: str) -> str | None:
