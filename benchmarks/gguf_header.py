@@ -16,8 +16,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, _HERE)
 from _util import machine, run_python, table  # noqa: E402
+
+# benchmarks/gguf.py would shadow the gguf package: drop this folder from the path
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_HERE)]
 
 TUNEPORT = """
 from tuneport.convert.gguf.read import gguf_field, open_gguf

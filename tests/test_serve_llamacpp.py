@@ -468,6 +468,7 @@ e.close()
     assert res["got"] == want
 
 
+@pytest.mark.slow
 @pytest.mark.llamacpp
 def test_longrope_serves_with_the_short_factors_transformers_uses(tmp_path, caplog, monkeypatch):
     """Phi-4-mini's LongRoPE (as it ships: rope_scaling longrope, an original context): llama.cpp takes the long
