@@ -501,7 +501,7 @@ def test_longrope_serves_with_the_short_factors_transformers_uses(tmp_path, capl
 
     assert served(n_ctx=128, n_seq_max=4) == (want, None)  # 512 cells, past the original 256
     with monkeypatch.context() as m:  # llama.cpp's own choice: the long factors
-        m.setattr(sys.modules[LlamaCppEngine.__module__], "longrope_choice", lambda *a: LongRopeChoice(None, None))
+        m.setattr(sys.modules[LlamaCppEngine.__module__], "longrope_choice", lambda *a: LongRopeChoice({}, None))
         assert served(n_ctx=128, n_seq_max=4)[0] != want
     with caplog.at_level(logging.WARNING):
         _, note = served(n_ctx=512, n_seq_max=1)

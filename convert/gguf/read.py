@@ -62,13 +62,29 @@ class _HeaderParser:
     def __init__(self, buf, order: str) -> None:
         self.buf, self.o, self.pos = buf, order, 0
 
-    def take(self, fmt: str):
-        size = struct.calcsize(self.o + fmt)
-        if self.pos + size > len(self.buf):
-            raise _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {len(self.buf)} bytes")
-        vals = struct.unpack_from(self.o + fmt, self.buf, self.pos)
+    def past_end(self) -> _Corrupt:
+        return _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {len(self.buf)} bytes")
+
+    def need(self, n: int) -> None:
+        if n > len(self.buf) - self.pos:
+            raise self.past_end()
+
+    def _unpack(self, spec: str) -> tuple:
+        size = struct.calcsize(self.o + spec)
+        self.need(size)
+        vals = struct.unpack_from(self.o + spec, self.buf, self.pos)
         self.pos += size
+        return vals
+
+    def take(self, fmt: str):
+        """One value per letter of ``fmt`` (the value itself for one letter)."""
+        vals = self._unpack(fmt)
         return vals if len(vals) > 1 else vals[0]
+
+    def many(self, fmt: str, count: int) -> tuple:
+        """``count`` values of the one-letter format ``fmt`` (the count checked before struct sees it)."""
+        self.need(count * struct.calcsize(self.o + fmt))
+        return self._unpack(f"{count}{fmt}")
 
     def raw_string(self) -> bytes:
         n = self.take("Q")
@@ -76,10 +92,6 @@ class _HeaderParser:
         out = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         return out
-
-    def need(self, n: int) -> None:
-        if n > len(self.buf) - self.pos:
-            raise _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {len(self.buf)} bytes")
 
     def key(self) -> str:
         try:
@@ -96,10 +108,7 @@ class _HeaderParser:
             raise _Corrupt(f"unknown metadata value type {vtype}")
         itype, count = self.take("IQ")
         if (fmt := _SCALARS.get(itype)) is not None:  # numbers: one unpack for the whole array
-            self.need(count * struct.calcsize(fmt))
-            vals = struct.unpack_from(f"{self.o}{count}{fmt}", self.buf, self.pos)
-            self.pos += count * struct.calcsize(fmt)
-            return list(vals)
+            return list(self.many(fmt, count))
         if itype not in (_STRING, _ARRAY):
             raise _Corrupt(f"unknown metadata value type {itype}")
         self.need(count * (8 if itype == _STRING else 12))  # the smallest an item can be
@@ -109,7 +118,7 @@ class _HeaderParser:
         items = []
         for _ in range(count):  # a vocabulary: 200k strings, one tight loop
             if pos + 8 > end or (n := length(buf, pos)[0]) > end - pos - 8:
-                raise _Corrupt(f"truncated or corrupt: its metadata or tensors run past its {end} bytes")
+                raise self.past_end()
             items.append(buf[pos + 8:pos + 8 + n])
             pos += 8 + n
         self.pos = pos
@@ -120,8 +129,6 @@ def _parse_header(buf) -> GGUFHeader:
     """The header of the GGUF bytes ``buf`` (a memory map), or _Corrupt."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    if len(buf) == 0:
-        raise _Corrupt("the file is empty")
     if bytes(buf[:4]) != b"GGUF":
         raise _Corrupt(f"it starts with {bytes(buf[:4])!r}, not GGUF")
     order = "<"
@@ -144,10 +151,7 @@ def _parse_header(buf) -> GGUFHeader:
     entries = []
     for _ in range(n_tensors):
         name = p.key()
-        n_dims = p.take("I")
-        p.need(n_dims * 8)
-        dims = p.take(f"{n_dims}Q") if n_dims else ()
-        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        dims = p.many("Q", p.take("I"))
         entries.append((name, dims, *p.take("IQ")))
     align = fields.get("general.alignment", 32)
     if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):

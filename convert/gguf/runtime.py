@@ -141,7 +141,7 @@ class LongRopeChoice:
     rotate even short requests with the long factors: when no request can outgrow the original context, the key is
     raised to the cells (``override``) and every request rotates as transformers does."""
 
-    override: tuple[str, int] | None  # (GGUF key, value) for llama_model_params.kv_overrides
+    override: dict[str, int]  # GGUF key -> value, for llama_model_params.kv_overrides (empty: none)
     note: str | None  # what differs from transformers, when something does
 
 
@@ -152,13 +152,13 @@ def longrope_choice(header, cells: int, request_ctx: int) -> LongRopeChoice:
     key = f"{arch}.rope.scaling.original_context_length"
     original = header.fields.get(key)
     if not any(t.name == "rope_factors_long.weight" for t in header.tensors) or not isinstance(original, int):
-        return LongRopeChoice(None, None)
+        return LongRopeChoice({}, None)
     padded = -(-cells // 256) * 256
     if padded <= original:
-        return LongRopeChoice(None, None)
+        return LongRopeChoice({}, None)
     if request_ctx <= original:
-        return LongRopeChoice((key, padded), None)
-    return LongRopeChoice(None, f"n_ctx {request_ctx} is past LongRoPE's original context of {original}: llama.cpp "
+        return LongRopeChoice({key: padded}, None)
+    return LongRopeChoice({}, f"n_ctx {request_ctx} is past LongRoPE's original context of {original}: llama.cpp "
                                 f"rotates every request with the long factors, transformers only a sequence longer "
                                 f"than {original} tokens (shorter ones differ slightly; --n-ctx {original} or less "
                                 f"rotates them as transformers does)")
@@ -166,7 +166,7 @@ def longrope_choice(header, cells: int, request_ctx: int) -> LongRopeChoice:
 
 def kv_overrides(llama_cpp, values: dict[str, int]):
     """A ``llama_model_kv_override`` array for ``llama_model_params.kv_overrides`` (integers; an empty key ends it).
-    Keep it referenced until the model is loaded."""
+    Assigned to a params field, ctypes keeps it alive with the params."""
     arr = (llama_cpp.llama_model_kv_override * (len(values) + 1))()
     for item, (key, value) in zip(arr, values.items(), strict=False):
         item.key = key.encode()

@@ -84,9 +84,8 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers  # -1: all (see convert.gguf.gpu)
-        overrides = kv_overrides(llama_cpp, dict([rope.override])) if rope.override else None
-        if overrides is not None:
-            mp.kv_overrides = overrides
+        if rope.override:
+            mp.kv_overrides = kv_overrides(llama_cpp, rope.override)  # ctypes keeps the array with mp
         self.n_gpu_layers = n_gpu_layers
         with llamacpp_errors() as errors:
             self.model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), mp)
