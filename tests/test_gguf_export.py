@@ -36,9 +36,13 @@ def gguf_vs(ref: torch.Tensor, path, lora=None) -> tuple:
 
 # llama.cpp evaluates GELU through an fp16 lookup table on the CPU (HF: exact tanh-GELU), which alone
 # moves Gemma's logits by ~2.6e-3 here; emulating that table in HF brings the difference to ~2.5e-4.
-TOL = {"f32": 1e-4, "f32_kl": 1e-8, "f16": 1e-2}
+TOL = {"f32": 1e-4, "f32_kl": 1e-8, "f16": 1e-2, "q8_kl": 1e-2}
 GEMMA_TOL = {"f32": 5e-3, "f32_kl": 1e-6, "f16": 5e-2}
-ARCH_TOL = {"gemma3_text": GEMMA_TOL, "gemma3": GEMMA_TOL, "gemma2": GEMMA_TOL}
+# Qwen3.5's recurrent layers carry the rounding of in_proj_a / in_proj_b (the decay and write strength) across
+# every later position (F32: 2.9e-5 apart): measured 3.9e-2 at F16 (KL 1.9e-5) and KL 2.47e-2 at Q8_0, which is what
+# llama.cpp's own quantizer gives from the F32 file too (the same KL to the digit)
+DELTA_NET_TOL = {"f16": 5e-2, "q8_kl": 5e-2}
+ARCH_TOL = {"gemma3_text": GEMMA_TOL, "gemma3": GEMMA_TOL, "gemma2": GEMMA_TOL, "qwen3_5_text": DELTA_NET_TOL}
 
 
 @pytest.mark.parametrize("arch", supported("gguf"))
@@ -60,7 +64,7 @@ def test_model_parity_f32_f16_q8(zoo, tmp_path, cli, arch):
     assert f32.max_abs <= tol["f32"]
     assert f32.kl <= tol["f32_kl"]
     assert f16.max_abs <= tol["f16"]
-    assert q8.kl <= 1e-2
+    assert q8.kl <= tol["q8_kl"]
 
 
 @pytest.mark.parametrize("arch", supported("gguf"))

@@ -33,6 +33,8 @@ ARCH_VARIANTS = {
     "phi3": ["all_linear"],
     "olmo2": ["all_linear", "dora", "layers"],
     "granite": ["all_linear", "embedding", "rslora"],
+    # Qwen3.5: mlx-lm's tree wraps the text model (language_model.*); LoRA on the linear layers' projections too
+    "qwen3_5_text": ["all_linear", "dora", "embedding", "layers"],
     "smollm3": ["all_linear", "patterns", "layers"],
     "mixtral": ["plain", "all_linear", "rslora", "layers"],
     "qwen3_moe": ["plain", "all_linear", "rslora", "patterns"],

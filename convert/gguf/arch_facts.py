@@ -23,6 +23,7 @@ class GGUFArch:
     # judged by what transformers reads (``config_audit``)
     config_rules: Mapping[str, KeyRule] = field(default_factory=lambda: MappingProxyType({}))
     norm_offset: float = 0.0  # Gemma stores norm weights as (w - 1)
+    norm_offset_skip: tuple[str, ...] = ()  # norms (name suffixes) stored as they multiply (Qwen3.5's gated norm)
     write_vocab_size: bool = False
     write_rope_dims: bool = False
     write_freq_base_swa: bool = False  # sliding-window layers have their own RoPE base (Gemma 3)
@@ -42,6 +43,12 @@ class GGUFArch:
     hidden_scaled_queries_at_layers: int | None = None
     # tensors (GGUF name suffixes) kept in F32 besides the norms and the router
     keep_f32: tuple[str, ...] = ()
+    # Gated DeltaNet layers (Qwen3.5): their tensors' renames and reorders, ssm.* hyperparameters
+    # (``gguf.linear_attention``)
+    delta_net: bool = False
+    dropped_prefixes: tuple[str, ...] = ()  # checkpoint tensors llama.cpp's graph does not load (an MTP head)
+    # GGUF tensors llama.cpp applies no LoRA to (its graph does not go through build_lora_mm): (suffix, why)
+    no_lora: tuple[tuple[str, str], ...] = ()
 
 
 COMMON_HPARAMS: tuple[HParam, ...] = (

@@ -20,6 +20,7 @@ from ..checkpoint import Checkpoint
 from ..errors import UserError
 from ..experts import expert_tensor, stack_expert_loras
 from ..merge import WeightedAdapter, plan_merge
+from . import linear_attention
 from .model import gguf_arch_for, permute_qk, qk_heads
 
 MERGE_HINT = "use --adapters merge"
@@ -66,7 +67,7 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     problems = lora_refusals(adapter, base, arch)
     if problems:
         raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
-    gguf_arch_for(arch)  # refuses an architecture without a GGUF table entry
+    garch = gguf_arch_for(arch)  # refuses an architecture without a GGUF table entry
     cfg = base.config
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], int(cfg["num_hidden_layers"]))
     ranks = {m.rank for m in adapter.modules.values()}
@@ -89,6 +90,9 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
         gname = tmap.get_name(mod.target, try_suffixes=(".weight",))
         if gname is None:
             raise UserError(f"adapter {adapter.name}: {mod.module} has no GGUF tensor name", MERGE_HINT)
+        if (why := next((w for suffix, w in garch.no_lora if gname.endswith(suffix)), None)) is not None:
+            raise UserError(f"adapter {adapter.name}: llama.cpp applies no LoRA to {mod.module} ({gname}): {why}",
+                            MERGE_HINT)
         factor = mod.scale * mod.rank / alpha  # llama.cpp applies alpha / rank
         if q_factor and mod.module.endswith("q_proj"):
             factor *= q_factor  # the base's q_proj rows carry the same fold (GGUFConfigFacts)
@@ -102,6 +106,9 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
             a, b = A, B
             if (heads := qk_heads(arch, cfg, mod.module)) is not None:
                 b = permute_qk(b, heads)
+            elif garch.delta_net:  # the base's value-head reorder, on B's rows or A's columns
+                on_a, on_b = linear_attention.lora_transforms(mod.module, cfg)
+                a, b = on_a(a) if on_a else a, on_b(b) if on_b else b
         lora.tensors[f"{gname}.lora_a"] = a
         lora.tensors[f"{gname}.lora_b"] = b
     for gname, mods in experts.items():

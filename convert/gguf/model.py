@@ -17,6 +17,7 @@ import torch
 from ..arch import ARCHS, ArchSpec, target_refusal
 from ..errors import UserError
 from ..experts import expert_groups
+from . import linear_attention
 from .arch_facts import GGUFArch
 from .config_keys import GGUFConfigFacts, gguf_config_facts
 from .vocab import GGUFVocab
@@ -152,7 +153,9 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     stacks = {name: (f"{block}.experts.{proj}.weight", order)
               for name, (block, proj, order) in expert_groups(arch, config, [n for n, _ in shapes]).items()}
     for name, shape in shapes:
-        if name.endswith(DROPPED_SUFFIXES) or (tied and name == f"{arch.lm_head}.weight"):
+        if name.endswith(DROPPED_SUFFIXES) or name.startswith(garch.dropped_prefixes):
+            continue
+        if tied and name == f"{arch.lm_head}.weight":
             continue  # a tied model's stored lm_head is not what transformers computes with
         if (stacked := stacks.get(name)) is not None:  # an expert: the first one writes the stack
             if stacked[1][0] == name:
@@ -160,7 +163,8 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
                 qtype = "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type
                 plan.tensors.append(TensorPlan(name, gname, (len(stacked[1]), *shape), qtype, None, stacked[1]))
             continue
-        gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        mapped = linear_attention.source_name(name) if garch.delta_net else name
+        gname = tmap.get_name(mapped, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
                             "the checkpoint has weights this architecture does not define")
@@ -172,13 +176,18 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             qtype = direct_type
         transform = None
         module = name.rsplit(".", 1)[0]
-        offset = garch.norm_offset if name.endswith("norm.weight") else 0.0
+        offset = garch.norm_offset if name.endswith("norm.weight") and not name.endswith(
+            garch.norm_offset_skip) else 0.0
         scale = (plan.facts.q_norm_factor if module.endswith("q_norm")
                  else plan.facts.q_proj_factor if module.endswith("q_proj") else None)
-        if (heads := qk_heads(arch, config, module)) is not None:
+        if garch.delta_net and (fix := linear_attention.tensor_transform(name, config)) is not None:
+            transform = fix  # Gated DeltaNet: llama.cpp's value-head order and parameterization
+        elif (heads := qk_heads(arch, config, module)) is not None:
             transform = lambda t, h=heads: permute_qk(t, h)  # noqa: E731
         elif offset or scale:  # Gemma's (w - 1) norms; a query scale folded by the config audit
             transform = lambda t, o=offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
+        if garch.delta_net:
+            shape = linear_attention.gguf_shape(name, tuple(shape))
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
     if rp["rope_type"] == "llama3":
@@ -235,6 +244,8 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         writer.add_float32(f"{arch}.final_logit_softcapping", float(cfg["final_logit_softcapping"]))
     if garch.attn_softcap and cfg.get("attn_logit_softcapping"):
         writer.add_float32(f"{arch}.attn_logit_softcapping", float(cfg["attn_logit_softcapping"]))
+    if garch.delta_net:
+        linear_attention.write_hparams(writer, arch, cfg)
     if garch.write_vocab_size:
         writer.add_uint32(f"{arch}.vocab_size", n_vocab)
     if garch.write_rope_dims:

@@ -119,7 +119,8 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     layers = sorted({i for i, _ in placed if i is not None})
     first = layers[0] if layers else n_layers
     layer_keys = sorted({k for i, k in placed if i is not None})
-    keys = layer_keys + sorted(k for i, k in placed if i is None)
+    prefix = mlx_arch_for(base.model_type).weight_prefix  # mlx-lm's tree above the model's own names
+    keys = layer_keys + sorted(prefix + k for i, k in placed if i is None)
     out = MlxAdapter(adapter.name, "dora" if dora else "lora", n_layers - first if layers else n_layers,
                      rank, scale, keys)
 
@@ -131,10 +132,10 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
         b = torch.zeros(rank, mod.B.shape[0])
         a[:, : mod.rank] = mod.A.float().T
         b[: mod.rank] = mod.B.float().T * ratio
-        out.tensors[f"{path}.lora_a"] = a.numpy()
-        out.tensors[f"{path}.lora_b"] = b.numpy()
+        out.tensors[f"{prefix}{path}.lora_a"] = a.numpy()
+        out.tensors[f"{prefix}{path}.lora_b"] = b.numpy()
         if mod.magnitude is not None:
-            out.tensors[f"{path}.m"] = mod.magnitude.float().numpy()
+            out.tensors[f"{prefix}{path}.m"] = mod.magnitude.float().numpy()
 
     n_experts = arch.experts.expert_count(base.config) if arch.experts else 0
     stacked_disk = {sw: proj for proj, sw in switch.items()}
@@ -143,8 +144,8 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
         """mlx-lm's LoRASwitchLinear: ``lora_a [E, r, in]``, ``lora_b [E, out, r]`` (not transposed); experts
         without a LoRA get zeros."""
         a, b = stack_expert_loras(mods, n_experts, rank, shape, lambda mod: mod.scale / scale)
-        out.tensors[f"{path}.lora_a"] = a.numpy()
-        out.tensors[f"{path}.lora_b"] = b.numpy()
+        out.tensors[f"{prefix}{path}.lora_a"] = a.numpy()
+        out.tensors[f"{prefix}{path}.lora_b"] = b.numpy()
 
     def expert_shape(path: str) -> tuple[int, int] | None:
         block, _, name = path.rpartition(".switch_mlp.")
@@ -165,8 +166,8 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
             shape = base.weight_shape(f"{path}.weight")
             if shape is None:  # a layer without this module (a dense layer of a MoE model): mlx-lm skips it too
                 continue
-            out.tensors[f"{path}.lora_a"] = np.zeros((shape[1], rank), np.float32)
-            out.tensors[f"{path}.lora_b"] = np.zeros((rank, shape[0]), np.float32)
+            out.tensors[f"{prefix}{path}.lora_a"] = np.zeros((shape[1], rank), np.float32)
+            out.tensors[f"{prefix}{path}.lora_b"] = np.zeros((rank, shape[0]), np.float32)
             filled += 1
     for (i, key), mod in placed.items():
         if i is None:

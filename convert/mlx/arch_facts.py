@@ -123,6 +123,26 @@ def expert_count_key(cfg: dict) -> list[str]:
     return ["num_experts"]
 
 
+def qwen3_5_layers(cfg: dict) -> list[str]:
+    """Qwen3.5: mlx-lm places the full-attention layers by ``full_attention_interval`` alone (layer i is full iff
+    (i + 1) % interval == 0), ignoring ``layer_types``: the interval is written from them, and a pattern no interval
+    gives is refused."""
+    filled = []
+    types = cfg.get("layer_types")
+    if types:
+        full = [t == "full_attention" for t in types]
+        every = next((n for n in range(1, len(types) + 1)
+                      if all(f == ((i + 1) % n == 0) for i, f in enumerate(full))), None)
+        if every is None:
+            raise UserError(f"Qwen3.5 layer_types {types} follow no pattern mlx-lm can express",
+                            "mlx-lm makes every full_attention_interval-th layer full attention; export for "
+                            "llama.cpp (--target gguf)")
+        if cfg.get("full_attention_interval") != every:
+            cfg["full_attention_interval"] = every
+            filled.append("full_attention_interval")
+    return filled
+
+
 def gemma_embed_factor(cfg: dict) -> float:
     """mlx-lm's Gemma 3 multiplies the embedding lookup (LoRA included) by sqrt(hidden) rounded to bfloat16,
     transformers (and PEFT) by the exact value: their ratio (1.0001 for hidden 128)."""
@@ -147,5 +167,8 @@ class MlxArch:
     switch_mlp: tuple[tuple[str, str], ...] = ()
     quant_predicate: Callable[[str], dict | None] | None = None
     notes: tuple[str, ...] = ()
+    args_class: str = "ModelArgs"  # the module's class whose fields are the config keys it reads
+    weight_prefix: str = ""  # where the model's modules sit in mlx-lm's tree (a wrapper's "language_model.")
+    model_type: str | None = None  # the model_type mlx-lm knows it by, where it differs from transformers'
     # config keys the config fixes translate into fields mlx-lm reads (the audit's rules for them)
     fixed_rules: Mapping[str, KeyRule] = field(default_factory=lambda: MappingProxyType({}))

@@ -52,7 +52,8 @@ COMMON: dict[str, KeyRule] = {
 @functools.lru_cache(maxsize=32)
 def mlx_read_fields(model_type: str) -> frozenset[str]:
     """The config keys mlx-lm's model for ``model_type`` reads (its ``ModelArgs`` fields)."""
-    args = importlib.import_module(f"mlx_lm.models.{mlx_arch_for(model_type).mlx_model}").ModelArgs
+    march = mlx_arch_for(model_type)
+    args = getattr(importlib.import_module(f"mlx_lm.models.{march.mlx_model}"), march.args_class)
     return frozenset(f.name for f in dataclasses.fields(args))
 
 
@@ -110,7 +111,8 @@ def engine_only_keys(cfg: dict) -> list[str]:
 @functools.lru_cache(maxsize=32)
 def mlx_field_defaults(model_type: str) -> dict:
     """mlx-lm's ``ModelArgs`` fields that have a default, with it."""
-    args = importlib.import_module(f"mlx_lm.models.{mlx_arch_for(model_type).mlx_model}").ModelArgs
+    march = mlx_arch_for(model_type)
+    args = getattr(importlib.import_module(f"mlx_lm.models.{march.mlx_model}"), march.args_class)
     return {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING}
 
 

@@ -227,6 +227,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
         if kept:
             notes.append(f"{len(kept)} matrices kept {CONFIG_DTYPE_NAMES[dtype]}: width not a multiple of "
                          f"group size {qplan.group_size} ({kept[0]}{', ...' if len(kept) > 1 else ''})")
+    if march.model_type:
+        cfg["model_type"] = march.model_type
+        notes.append(f"config: model_type {march.model_type}, the name mlx-lm knows {arch.model_type} by")
     with atomic_dir(opts.out, force=opts.force) as tmp:
         hashes = write_model(plan, tmp, layout, fixes, opts.max_shard_bytes, progress)
         if qplan:

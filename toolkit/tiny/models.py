@@ -64,6 +64,14 @@ TINY_ARCHS: dict[str, TinyArch] = {
                                                 "original_max_position_embeddings": 32, "beta_fast": 32.0,
                                                 "beta_slow": 1.0, "attention_factor": 1.2079441541679836},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))),
+    # Qwen3.5-9B's pattern in 4 layers (3 Gated DeltaNet, 1 full attention), 2 key heads and 4 value heads so that
+    # llama.cpp's value-head order differs from transformers'; linear head size 64, the smallest vLLM's CPU kernel
+    # takes; partial RoPE on a quarter of each head, M-RoPE sections sized to it (text makes them plain)
+    "qwen3_5_text": TinyArch("qwen3_5_text", "Qwen3_5TextConfig", "bpe", (
+        ("num_hidden_layers", 4), ("head_dim", 32), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4),
+        ("linear_key_head_dim", 64), ("linear_value_head_dim", 64),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}))),
     # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
     "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
         ("embedding_multiplier", 3.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.05),

@@ -1,0 +1,128 @@
+"""Gated DeltaNet layers (Qwen3.5 / 3.6's linear attention) in GGUF, as llama.cpp's converter writes them
+(its ``conversion/qwen.py``) and its ``qwen35`` graph reads them:
+
+- ``A_log`` becomes ``ssm_a = -exp(A_log)``, ``dt_bias`` the bias ``ssm_dt.bias``, the depthwise ``conv1d``
+  ``[C, 1, K]`` is squeezed to ``[C, K]``;
+- transformers groups the value heads by key head (``repeat_interleave``: v0..v(r-1) of key head 0, then key head
+  1's), llama.cpp tiles them (v0 of every key head, then v1 of every key head): where the two head counts differ,
+  every value-head axis is reordered (the V rows of ``in_proj_qkv`` and of the conv, ``in_proj_z``'s rows,
+  ``in_proj_a`` / ``in_proj_b``'s rows, ``A_log`` and ``dt_bias``, ``out_proj``'s columns), and a LoRA's B rows
+  or A columns the same way;
+- the hyperparameters: ``ssm.*`` from the ``linear_*`` config keys, one recurrent flag per layer, the M-RoPE
+  sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+MROPE_SECTIONS = [11, 11, 10]  # transformers' default when rope_parameters has none
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    key_heads: int
+    value_heads: int
+    key_dim: int  # per head
+    value_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def of(cls, cfg: dict) -> DeltaNetShape:
+        return cls(int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]),
+                   int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"]),
+                   int(cfg.get("linear_conv_kernel_dim") or 4))
+
+    @property
+    def grouped(self) -> bool:
+        """transformers' value-head order differs from llama.cpp's."""
+        return self.key_heads != self.value_heads
+
+    def tile(self, t: torch.Tensor, dim: int, head_dim: int, start: int = 0) -> torch.Tensor:
+        """Value heads along ``dim`` (from ``start``) from grouped-by-key-head to tiled order."""
+        if not self.grouped:
+            return t
+        t = t.movedim(dim, 0)
+        head, rest = t[:start], t[start:]
+        r = self.value_heads // self.key_heads
+        rest = rest.reshape(self.key_heads, r, head_dim, *rest.shape[1:]).transpose(0, 1).reshape(rest.shape)
+        return torch.cat([head, rest]).movedim(0, dim)
+
+
+def is_delta_net(name: str) -> bool:
+    return ".linear_attn." in name
+
+
+def source_name(name: str) -> str:
+    """The name gguf's tensor map knows (llama.cpp's converter renames ``dt_bias`` before mapping)."""
+    return name.removesuffix(".dt_bias") + ".dt_proj.bias" if name.endswith(".linear_attn.dt_bias") else name
+
+
+def gguf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape ``name`` has in GGUF (the conv squeezed)."""
+    if name.endswith(".linear_attn.conv1d.weight") and len(shape) == 3:
+        return (shape[0], shape[2])
+    return shape
+
+
+def tensor_transform(name: str, cfg: dict) -> Transform | None:
+    """How the base tensor ``name`` of a Gated DeltaNet layer is written to GGUF (None: as it is)."""
+    if not is_delta_net(name):
+        return None
+    s = DeltaNetShape.of(cfg)
+    qk_rows = 2 * s.key_heads * s.key_dim
+    leaf = name.rsplit("linear_attn.", 1)[1]
+    fixes: dict[str, Transform] = {
+        "A_log": lambda t: -torch.exp(s.tile(t.float(), 0, 1)),
+        "dt_bias": lambda t: s.tile(t.float(), 0, 1),
+        "conv1d.weight": lambda t: s.tile(t.float().squeeze(1), 0, s.value_dim, qk_rows),
+        "in_proj_qkv.weight": lambda t: s.tile(t, 0, s.value_dim, qk_rows),
+        "in_proj_z.weight": lambda t: s.tile(t, 0, s.value_dim),
+        "in_proj_a.weight": lambda t: s.tile(t, 0, 1),
+        "in_proj_b.weight": lambda t: s.tile(t, 0, 1),
+        "out_proj.weight": lambda t: s.tile(t, 1, s.value_dim),
+    }
+    return fixes.get(leaf)
+
+
+def lora_transforms(module: str, cfg: dict) -> tuple[Transform | None, Transform | None]:
+    """(on A, on B) for a LoRA on ``module``: the base's value-head reorder applied to B's rows or A's columns."""
+    if not is_delta_net(module + ".") or not DeltaNetShape.of(cfg).grouped:
+        return None, None
+    s = DeltaNetShape.of(cfg)
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf == "out_proj":
+        return (lambda a: s.tile(a, 1, s.value_dim)), None
+    rows = {"in_proj_qkv": (s.value_dim, 2 * s.key_heads * s.key_dim), "in_proj_z": (s.value_dim, 0),
+            "in_proj_a": (1, 0), "in_proj_b": (1, 0)}.get(leaf)
+    if rows is None:
+        return None, None
+    return None, (lambda b, r=rows: s.tile(b, 0, r[0], r[1]))
+
+
+def write_hparams(writer, arch: str, cfg: dict) -> None:
+    """llama.cpp's ``ssm.*`` keys, the recurrent layers and the M-RoPE sections (text: every section the same
+    position, so plain partial NeoX RoPE, as transformers computes it for text)."""
+    s = DeltaNetShape.of(cfg)
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", s.conv_kernel)
+    writer.add_uint32(f"{arch}.ssm.state_size", s.key_dim)
+    writer.add_uint32(f"{arch}.ssm.group_count", s.key_heads)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", s.value_heads)
+    writer.add_uint32(f"{arch}.ssm.inner_size", s.value_dim * s.value_heads)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in layer_kinds(cfg)])
+    writer.add_uint32(f"{arch}.full_attention_interval", int(cfg.get("full_attention_interval") or 4))
+    params = cfg.get("rope_parameters") or {}
+    sections = list(params.get("mrope_section") or MROPE_SECTIONS)
+    writer.add_array(f"{arch}.rope.dimension_sections", (sections + [0, 0, 0, 0])[:4])
+
+
+def layer_kinds(cfg: dict) -> list[str]:
+    """``layer_types``, or transformers' default from ``full_attention_interval`` (every 4th layer full)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    every = int(cfg.get("full_attention_interval") or 4)
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(cfg["num_hidden_layers"])]
