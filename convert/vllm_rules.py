@@ -86,7 +86,7 @@ def vllm_refusal(model_type: str) -> str | None:
     arch = known_arch(model_type)
     if arch is not None and arch.experts is not None:
         return f"adapters merged only: {MOE_LORA_REFUSAL}"
-    return None
+    return arch.refusals.get("vllm") if arch is not None else None
 
 
 @dataclass

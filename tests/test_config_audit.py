@@ -119,6 +119,21 @@ CASES = [
     Case("olmo3", "sliding_window", {"sliding_window": 4}, "parity"),
     Case("olmo3", "layer_types", {"layer_types": ["full_attention", "sliding_attention", "full_attention",
                                                   "sliding_attention"]}, "parity"),  # any pattern: one flag a layer
+    # Qwen3.5: any layer pattern (one recurrent flag a layer), other linear-attention shapes, the output gate
+    Case("qwen3_5_text", "layer_types", {"layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                         "full_attention"]}, "parity"),
+    Case("qwen3_5_text", "full_attention_interval", {"layer_types": None, "full_attention_interval": 2}, "parity",
+         config_patch={"layer_types": None, "full_attention_interval": 2}),  # the interval alone places them
+    Case("qwen3_5_text", "linear_conv_kernel_dim", {"linear_conv_kernel_dim": 3}, "parity"),
+    Case("qwen3_5_text", "linear_key_head_dim", {"linear_key_head_dim": 32}, "refused: value head size"),
+    Case("qwen3_5_text", "linear_value_head_dim", {"linear_value_head_dim": 32}, "refused: value head size"),
+    Case("qwen3_5_text", "linear_num_key_heads", {"linear_num_key_heads": 4}, "parity"),  # grouped = tiled
+    Case("qwen3_5_text", "linear_num_value_heads", {"linear_num_value_heads": 8}, "parity"),
+    # half the head rotated, over sections that leave llama.cpp's last pair unrotated as written (sections rewritten)
+    Case("qwen3_5_text", "partial_rotary_factor", {"rope_parameters": {
+        **ROPE, "rope_type": "default", "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2]}}, "parity"),
+    Case("qwen3_5_text", "attn_output_gate", {}, "refused: always gate", config_patch={"attn_output_gate": False}),
+    Case("qwen3_5_text", "attention_bias", {"attention_bias": True}, "refused: no such biases"),
     Case("granite", "mlp_bias", {"mlp_bias": True}, "refused: no such biases"),
     Case("granite", "embedding_multiplier", {"embedding_multiplier": 7.0}, "parity"),
     Case("granite", "residual_multiplier", {"residual_multiplier": 0.2}, "parity"),

