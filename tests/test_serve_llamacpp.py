@@ -394,6 +394,30 @@ def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_pa
     assert not bad, bad[:2]
 
 
+def test_hybrid_linear_attention_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch):
+    """Qwen3.5 (Gated DeltaNet layers with a recurrent state per sequence, which llama.cpp cannot trim): an HF base
+    and PEFT adapters on the attention and on every linear (the linear layers' projections too), mixed with base
+    traffic at concurrency 4 and two contexts, twice over (the second round meets cached prompts): every answer is
+    PEFT's (transformers') greedy tokens."""
+    monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
+    arch = "qwen3_5_text"
+    base = zoo.base(arch)
+    adapters = {"attention": zoo.adapter(arch, "plain"), "all": zoo.adapter(arch, "all_linear")}
+    from tuneport.toolkit.fidelity import load_hf
+
+    want = {None: [greedy(load_hf(base), p, N) for p in PROMPTS]}
+    want.update({n: [greedy(load_peft(base, a), p, N) for p in PROMPTS] for n, a in adapters.items()})
+    assert len({tuple(map(tuple, v)) for v in want.values()}) == len(want)  # every adapter changes the answers
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in want] * 2
+    with tuneport.serve(base=base, adapters={n: str(a) for n, a in adapters.items()}, engine="llamacpp",
+                        dtype="fp32", kv_f32=True, n_ctx=64, contexts=2, port=0) as server:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, PROMPTS[j[1]], N), jobs))
+    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r != (200, want[j[0]][j[1]])]
+    assert not bad, bad[:2]
+
+
 def test_multimodal_gemma3_base_serves_its_text_model_with_peft_adapters(zoo, tmp_path, monkeypatch):
     """An HF Gemma 3 multimodal base: llama.cpp serves its text model (converted once), a PEFT adapter trained
     on the whole model converted to the text model's GGUF LoRA; greedy tokens = PEFT's on the whole model."""

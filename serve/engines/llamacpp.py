@@ -100,8 +100,15 @@ class LlamaCppEngine(Scheduler, DecodeLoop, Vocabulary):
         self.n_seq_max = n_seq_max  # sequences one context decodes together
         self.n_contexts = n_contexts  # the most contexts the loop creates (each n_ctx × n_seq_max KV cells)
         self.kv_f32 = kv_f32
-        self.prompt_cache = prompt_cache
-        self.cache_entries = cache_entries if prompt_cache else 0
+        # recurrent layers (Qwen3.5's Gated DeltaNet, Mamba) keep one state per sequence, at its last token: llama.cpp
+        # cannot cut it back to a prefix another prompt shares, so a cached prompt could not be reused
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(
+            self.model))
+        if self.recurrent and prompt_cache:
+            log.info("llama.cpp: %s has recurrent layers, whose state cannot be cut back to a shared prefix: "
+                     "the prompt cache is off", self.model_path.name)
+        self.prompt_cache = prompt_cache and not self.recurrent
+        self.cache_entries = cache_entries if self.prompt_cache else 0
         # one loop decodes one context at a time, so each decode has every physical core
         self.n_threads = n_threads or physical_cores()
         self._adapters: dict[str, object] = {}
