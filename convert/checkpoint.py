@@ -12,6 +12,7 @@ import math
 import os
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -141,7 +142,9 @@ class Checkpoint:
         self._pickle_cache: tuple[str, dict[str, torch.Tensor]] | None = None
         self._metas: dict[str, TensorMeta] = {}
         self._rows: dict[str, ExpertRows] = {}  # per-expert names served from fused expert tensors
+        self._stored: dict[str, str] = {}  # the model's name -> the name stored, where the two differ
         self._index_weights()
+        self._strip_stored_prefixes()
         self._unfuse_experts()
 
     # -- discovery ---------------------------------------------------------------------------
@@ -190,6 +193,24 @@ class Checkpoint:
             for name, t in self._load_pickle(p).items():
                 self._where[name] = p.name
                 self._metas[name] = TensorMeta(name, t.dtype, tuple(t.shape))
+
+    def _strip_stored_prefixes(self) -> None:
+        """A text model saved under its multimodal parent's names (transformers 5 saves Qwen3.5's text model,
+        loaded from the hub's multimodal checkpoint, as ``model.language_model.*``): every reader sees the text
+        model's own names (``ArchSpec.stored_prefixes``)."""
+        prefixes = self.arch.stored_prefixes if self.arch else ()
+        if not prefixes or not any(n.startswith(old) for n in self._where for old, _ in prefixes):
+            return
+        where, metas = {}, {}
+        for name, fname in self._where.items():
+            new = next((own + name[len(old):] for old, own in prefixes if name.startswith(old)), name)
+            if new in where:
+                raise UserError(f"{self.path}: tensor {new} is stored twice (as {self._stored.get(new, new)} and "
+                                f"{name})", "remove the stray file, or repair model.safetensors.index.json")
+            where[new], metas[new] = fname, replace(self._metas[name], name=new)
+            if new != name:
+                self._stored[new] = name
+        self._where, self._metas = where, metas
 
     def _unfuse_experts(self) -> None:
         """Present fused expert tensors (transformers 5's in-memory layout, saved as is) under the per-expert
@@ -249,6 +270,7 @@ class Checkpoint:
         fname = self._where[name]
         rows = self._rows.get(name)
         source = name if rows is None else rows.source
+        source = self._stored.get(source, source)
         if rows is not None and rows.expert >= 0:
             if self.format == "safetensors":
                 return self._files[fname].read_rows(source, rows.first, self._metas[name].shape)

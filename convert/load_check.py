@@ -35,8 +35,11 @@ def _tied_keys(model) -> set[str]:
 
 
 def _meta_model(path: Path):
-    """The config and the model transformers builds from it, on the meta device."""
+    """The model transformers builds from the exported config, on the meta device: the class the config names
+    (what vLLM loads too: a multimodal Qwen3.5, whose config AutoModelForCausalLM builds the text model of), else
+    AutoModelForCausalLM's."""
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -44,7 +47,10 @@ def _meta_model(path: Path):
     except Exception as e:  # noqa: BLE001 - any reader failure is the export's fault, said with its reason
         raise UserError(f"transformers cannot read the exported config.json: {str(e).splitlines()[0][:200]}",
                         HINT) from e
+    named = getattr(transformers, next(iter(getattr(config, "architectures", None) or []), ""), None)
     with torch.device("meta"), contextlib.redirect_stdout(None):
+        if isinstance(named, type) and issubclass(named, transformers.PreTrainedModel):
+            return named._from_config(config)
         return AutoModelForCausalLM.from_config(config)
 
 

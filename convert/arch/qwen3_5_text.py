@@ -47,6 +47,8 @@ ARCH = ArchSpec(
     gguf_arch="qwen35",
     rope_style="neox",
     linear_modules=LLAMA_LINEARS + DELTA_NET_LINEARS,
+    # transformers 5 saves the text model loaded from the hub's multimodal checkpoint under the parent's names
+    stored_prefixes=(("model.language_model.", "model."),),
     vllm_lora_modules=ATTENTION_LINEARS + ("gate_proj", "up_proj", "down_proj") + DELTA_NET_LINEARS,
     notes=("3 Gated DeltaNet (linear attention) layers to 1 full-attention layer; LoRA on the linear layers' "
            "projections too (not on their conv, A_log or dt_bias, which llama.cpp cannot adapt)",

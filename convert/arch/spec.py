@@ -89,6 +89,8 @@ class ArchSpec:
     awq: AWQArch | None = None  # the calibration pass (AWQ, the GGUF importance matrix): block classes, scale groups
     exl3: bool = False  # exllamav3 converts it
     text_tower: TextTower | None = None  # a multimodal checkpoint: where its text model lies
+    # (stored prefix, the model's own): a text model saved under its multimodal parent's names, which readers strip
+    stored_prefixes: tuple[tuple[str, str], ...] = ()
     refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # target -> why it refuses
 
     @property

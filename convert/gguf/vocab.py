@@ -23,6 +23,10 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5 / 3.6: Qwen2's with combining marks kept in words (transformers' Qwen3_5Tokenizer sets it whatever the file
+# holds; llama.cpp's "qwen35")
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
@@ -37,6 +41,7 @@ GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}
 # use_regex=True, GPT-2's built-in regex): ("Split", regex) or ("Digits", individual_digits).
 BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
     "qwen2": (("Split", QWEN2_SPLIT),),
+    "qwen35": (("Split", QWEN35_SPLIT),),
     "llama-bpe": (("Split", LLAMA3_SPLIT),),
     "gpt-2": (),
     "smollm": (("Digits", True),),  # SmolLM/SmolLM2 (llama.cpp: \p{N} split, then GPT-2's regex)
@@ -44,7 +49,7 @@ BPE_PRE_STEPS: dict[str, tuple[tuple, ...]] = {
     "gpt-4o": (("Split", GPT4O_SPLIT),),  # o200k: gpt-oss
 }
 BPE_PRE_BY_STEPS = {steps: name for name, steps in BPE_PRE_STEPS.items()}
-KNOWN_BPE_PRE = ("qwen2", "llama-bpe", "llama3", "gpt-2", "default", "deepseek-llm", "deepseek-coder",
+KNOWN_BPE_PRE = ("qwen2", "qwen35", "llama-bpe", "llama3", "gpt-2", "default", "deepseek-llm", "deepseek-coder",
                  "falcon", "mpt", "starcoder", "refact", "command-r", "smollm", "tekken", "gpt-4o", "olmo", "dbrx")
 
 

@@ -23,6 +23,12 @@ class TinyArch:
     text_config_class: str | None = None  # multimodal: the text model's config class (a tiny vision tower too)
 
 
+QWEN3_5_TEXT = (
+    ("num_hidden_layers", 4), ("head_dim", 32), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4),
+    ("linear_key_head_dim", 64), ("linear_value_head_dim", 64),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}))
+
 TINY_ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("llama", "LlamaConfig", "sentencepiece"),
     "mistral": TinyArch("mistral", "MistralConfig", "sentencepiece", (("sliding_window", None),)),
@@ -67,11 +73,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     # Qwen3.5-9B's pattern in 4 layers (3 Gated DeltaNet, 1 full attention), 2 key heads and 4 value heads so that
     # llama.cpp's value-head order differs from transformers'; linear head size 64, the smallest vLLM's CPU kernel
     # takes; partial RoPE on a quarter of each head, M-RoPE sections sized to it (text makes them plain)
-    "qwen3_5_text": TinyArch("qwen3_5_text", "Qwen3_5TextConfig", "bpe", (
-        ("num_hidden_layers", 4), ("head_dim", 32), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4),
-        ("linear_key_head_dim", 64), ("linear_value_head_dim", 64),
-        ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}))),
+    "qwen3_5_text": TinyArch("qwen3_5_text", "Qwen3_5TextConfig", "bpe", QWEN3_5_TEXT),
+    # Qwen3.5 as released (Qwen3_5ForConditionalGeneration): the text model above and a tiny vision tower
+    "qwen3_5": TinyArch("qwen3_5", "Qwen3_5Config", "bpe", QWEN3_5_TEXT, text_config_class="Qwen3_5TextConfig"),
     # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
     "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
         ("embedding_multiplier", 3.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.05),
@@ -142,7 +146,8 @@ def make_base(
     else:
         TOKENIZER_WRITERS[spec.tokenizer](out)
     tok = AutoTokenizer.from_pretrained(out)
-    if spec.text_config_class:  # Gemma 3's image tokens and processor, as its checkpoints ship them
+    gemma_vision = spec.text_config_class and spec.model_type == "gemma3"
+    if gemma_vision:  # Gemma 3's image tokens and processor, as its checkpoints ship them
         tok = _write_image_processor(out)
     config_cls = getattr(transformers, spec.config_class)
     text_cls = getattr(transformers, spec.text_config_class or spec.config_class)
@@ -154,15 +159,24 @@ def make_base(
         pad_token_id=tok.pad_token_id,
         **{**TINY_DIMS, **dict(spec.extra), **(dims or {})},  # dims override the architecture's extras
     )
-    if spec.text_config_class:  # head size 32 in the vision tower too (vLLM's CPU attention)
+    model_class = AutoModelForCausalLM
+    if gemma_vision:  # head size 32 in the vision tower too (vLLM's CPU attention)
         vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                                  num_attention_heads=2, image_size=VISION_IMAGE_SIZE, patch_size=8)
         config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),
                             mm_tokens_per_image=MM_TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
                             boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                             tie_word_embeddings=config.tie_word_embeddings)
+    elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM builds the text model)
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+
+        vision = Qwen3_5VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
+                                     out_hidden_size=config.hidden_size, num_position_embeddings=16)
+        config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),
+                            tie_word_embeddings=config.tie_word_embeddings)
+        model_class = transformers.AutoModelForImageTextToText
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1 so that norm handling is tested too
         for name, p in model.named_parameters():
             if "norm" in name:
