@@ -167,7 +167,7 @@ def make_base(
                             mm_tokens_per_image=MM_TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
                             boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                             tie_word_embeddings=config.tie_word_embeddings)
-    elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM builds the text model)
+    elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM: the text model)
         from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 
         vision = Qwen3_5VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
