@@ -91,6 +91,12 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
         alpha, scale = module_scale(adapter, f"{p.container}.weight", A.shape[0])
         return [LoraModule(f"{disk}.{layout.router}", "linear", A, B, A.shape[0], alpha, scale)]
     gate = base.weight_shape(f"{disk}.experts.0.{layout.gate}.weight")
+    if gate is None:  # a multimodal checkpoint, the adapter trained on the text model AutoModelForCausalLM loads
+        from .multimodal import checkpoint_aliases
+
+        alias = next((a for a in checkpoint_aliases(f"{disk}.experts.0.{layout.gate}.weight") if a in base), None)
+        if alias is not None:
+            disk, gate = alias.split(".experts.0.")[0], base.weight_shape(alias)
     if gate is None:
         raise UserError(f"adapter {adapter.name} targets the experts of {layer}, which the base lacks",
                         "the adapter was trained on another model: pass the base it was trained on")

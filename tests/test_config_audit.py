@@ -134,6 +134,8 @@ CASES = [
         **ROPE, "rope_type": "default", "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2]}}, "parity"),
     Case("qwen3_5_text", "attn_output_gate", {}, "refused: always gate", config_patch={"attn_output_gate": False}),
     Case("qwen3_5_text", "attention_bias", {"attention_bias": True}, "refused: no such biases"),
+    Case("qwen3_5_moe_text", "moe_intermediate_size", {"moe_intermediate_size": 96}, "parity"),
+    Case("qwen3_5_moe_text", "shared_expert_intermediate_size", {"shared_expert_intermediate_size": 96}, "parity"),
     Case("granite", "mlp_bias", {"mlp_bias": True}, "refused: no such biases"),
     Case("granite", "embedding_multiplier", {"embedding_multiplier": 7.0}, "parity"),
     Case("granite", "residual_multiplier", {"residual_multiplier": 0.2}, "parity"),

@@ -13,6 +13,8 @@ import torch
 from test_merge_equivalence import moe_cases
 
 from tuneport.convert.arch import known_arch
+from tuneport.convert.mlx.archs import MLX_ARCHS
+from tuneport.convert.multimodal import TEXT_TOWERS
 from tuneport.convert.support_matrix import supported
 from tuneport.toolkit.fidelity import compare_logits, load_hf, load_peft
 from tuneport.toolkit.tiny import VARIANTS
@@ -21,6 +23,7 @@ from tuneport.toolkit.tiny.models import make_base
 from tuneport.toolkit.verify.mlx_runner import load_mlx, mlx_logits
 
 TOL = 1e-4
+DELTA_NET_MOE_TOL = 2e-4  # Qwen3.5-MoE: expert LoRA over recurrent layers, fp32 accumulation 1.2e-4 apart (measured)
 # 24 tokens: past the 4-token sliding window of the Gemma 3 base below
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
 # Which fixtures adapt modules each architecture has (phi3 fuses q/k/v and gate/up)
@@ -201,10 +204,11 @@ def test_expert_lora_as_mlx_adapter_equals_peft(cli, zoo, tmp_path, arch, varian
     export(cli, base, out, "--adapter", f"{variant}={adapter}", "--adapters", "separate")
     ref = reference(base, adapter)
     separate = in_mlx(out, out / "adapters" / variant)
-    assert (separate - ref).abs().max().item() <= TOL
+    tol = DELTA_NET_MOE_TOL if arch.startswith("qwen3_5_moe") else TOL
+    assert (separate - ref).abs().max().item() <= tol
     assert (separate - reference(base)).abs().max().item() > 0.1
     export(cli, base, tmp_path / "merged", "--adapter", adapter)
-    assert (in_mlx(tmp_path / "merged") - ref).abs().max().item() <= TOL
+    assert (in_mlx(tmp_path / "merged") - ref).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize(("quant", "group"), [("q4", "64"), ("mixed_3_6", "64"), ("mxfp4", None)])
@@ -226,6 +230,14 @@ def test_quantized_experts_are_what_mlx_lm_convert_writes(cli, zoo, tmp_path, ar
     export(cli, base, tmp_path / "ours", "--adapter", adapter, "--quant", quant,
            *(["--group-size", group] if group else []))
     ours, theirs = _tensors(tmp_path / "ours"), _tensors(tmp_path / "by-mlx-lm")
+    text_type = TEXT_TOWERS[arch].text_model_type if arch in TEXT_TOWERS else arch
+    if prefix := MLX_ARCHS[text_type].weight_prefix:
+        # mlx_lm.convert saves the tree mlx-lm built (Qwen3.5's under language_model., its conv and norms as mlx-lm
+        # computes with them); tuneport writes the HF layout mlx-lm sanitizes on load: the quantized tensors compared
+        theirs = {k.removeprefix(prefix): v for k, v in theirs.items()}
+        packed = {k.rsplit(".", 1)[0] for k in theirs if k.endswith(".scales")}
+        ours = {k: v for k, v in ours.items() if k.rsplit(".", 1)[0] in packed}
+        theirs = {k: v for k, v in theirs.items() if k.rsplit(".", 1)[0] in packed}
     assert sorted(ours) == sorted(theirs) and any(".switch_mlp." in k for k in ours)
     different = [k for k in ours if ours[k].dtype != theirs[k].dtype or not mx.array_equal(ours[k], theirs[k]).item()]
     assert not different, different[:5]
@@ -233,7 +245,9 @@ def test_quantized_experts_are_what_mlx_lm_convert_writes(cli, zoo, tmp_path, ar
     cfg_theirs = json.loads((tmp_path / "by-mlx-lm" / "config.json").read_text())
     assert cfg_ours["quantization"] == cfg_theirs["quantization"]
     cmp = compare_logits(in_mlx(tmp_path / "fp32"), in_mlx(tmp_path / "ours"))
-    assert cmp.kl < 0.6  # random tiny weights quantize badly; the equality above is the check
+    # random tiny weights quantize badly (Qwen3.5's recurrent layers and its routing carry the rounding: KL 1.5-2.3
+    # measured); the equality above is the check
+    assert cmp.kl < (3.0 if arch.startswith("qwen3_5") else 0.6), cmp
 
 
 def test_refused_variants_merge_exactly(cli, bases, adapters, tmp_path):

@@ -33,6 +33,11 @@ IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
 # (tests_helpers.llamacpp_gelu): 2.6e-3 and 1.3e-3 are left (its SIMD paths), within the column test's 5e-3
 TABLE_GELU = ("gemma2", "gemma3_text", "gemma3")
 TOL = dict.fromkeys(TABLE_GELU, 5e-3)
+# Where fp32's order of operations alone moves the logits past 1e-4 (on the Qwen3.6-MoE config PEFT's own
+# merge_and_unload lands 1.45e-3 from unmerged PEFT: its recurrent layers and routing carry the rounding; the F32 GGUF
+# base stays 5.6e-5 from transformers, its GGUF LoRA 7.3e-4 from PEFT): tuneport's merge is held to PEFT's
+# merge_and_unload at 1e-4, and every target to PEFT at this
+FOLDED_APART = {"qwen3_5_moe": 2e-3}
 
 # Where a real config is refused: (file's folder, target) -> a piece of the one-line reason. Every other cell is
 # exported and compared.
@@ -41,7 +46,6 @@ REFUSED: dict[tuple[str, str], str] = {
     ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
                                                "length",
     **{("unsloth--gpt-oss-20b-merged", t): "is quantized (MXFP4)" for t in TARGETS},
-    **{("unsloth--qwen3.6-moe-35b-a3b-merged", t): "architecture 'qwen3_5_moe" for t in TARGETS},
     ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
     ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",
     **{(name, t): QUANTIZED for name in ("axolotl--llama2-7b-qlora", "peft--tinyllama-merged-keeps-bnb-quant",
@@ -132,13 +136,18 @@ def compare(target: str, base: Path, adapter: Path, out: Path, model_type: str) 
 
     from tests_helpers import llamacpp_gelu
 
-    tol = TOL.get(model_type, 1e-4) if target == "gguf" else 1e-4
+    tol = max(TOL.get(model_type, 1e-4) if target == "gguf" else 1e-4, FOLDED_APART.get(model_type, 0.0))
     ids = torch.tensor([IDS])
     table = llamacpp_gelu() if target == "gguf" and model_type in TABLE_GELU else contextlib.nullcontext()
     with torch.no_grad(), table:
         ref_base, ref_peft = logits(load_hf(base), ids)[0], logits(load_peft(base, adapter), ids)[0]
     if target == "merge":
-        found = [compare_logits(ref_peft, logits(load_hf(out), ids)[0])]
+        merged = logits(load_hf(out), ids)[0]
+        found = [compare_logits(ref_peft, merged)]
+        if model_type in FOLDED_APART:  # fp32's order of operations: the fold is checked against PEFT's own
+            with torch.no_grad():
+                folded = logits(load_peft(base, adapter).merge_and_unload(), ids)[0]
+            assert compare_logits(folded, merged).max_abs <= 1e-4
     elif target == "gguf":
         model = next(out.glob("*-F32.gguf"))
         found = []

@@ -368,15 +368,15 @@ def test_hub_id_base_and_adapter_serve_under_their_names(hub):
         assert ask_tokens(httpx.Client(base_url=server.url), "tiny-llama", [1, 50, 60], 2)[0] == 200
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe_text"])
 def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch, arch):
     """An HF mixture-of-experts base (F32) and PEFT adapters converted on load: attention-only, LoRA on the fused
-    experts (target_parameters) and transformers 4's per-expert LoRA (Qwen2-MoE: all linears, shared expert
-    included, since PEFT gives no reference for its per-expert adapters), mixed with base traffic at concurrency 4
-    through the gateway: every answer is PEFT's (transformers') greedy tokens."""
+    experts (target_parameters) and transformers 4's per-expert LoRA (Qwen2-MoE and Qwen3.5-MoE: all linears, shared
+    expert and Qwen3.5's linear layers included, since PEFT gives no reference for their per-expert adapters), mixed
+    with base traffic at concurrency 4 through the gateway: every answer is PEFT's (transformers') greedy tokens."""
     monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
     base = zoo.base(arch)
-    third = "all_linear" if arch == "qwen2_moe" else "per_expert"
+    third = "all_linear" if arch in ("qwen2_moe", "qwen3_5_moe_text") else "per_expert"
     adapters = {"attention": zoo.adapter(arch, "plain"), "experts": zoo.adapter(arch, "experts"),
                 third: zoo.adapter(arch, third)}
     from tuneport.toolkit.fidelity import load_hf

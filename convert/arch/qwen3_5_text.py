@@ -60,7 +60,7 @@ ARCH = ArchSpec(
     }, norm_offset=1.0, norm_offset_skip=("linear_attn.norm.weight",), write_rope_dims=True,
         keep_f32=("ssm_conv1d.weight",), delta_net=True, dropped_prefixes=("mtp.",),
         no_lora=(("ssm_conv1d.weight", "its convolution (ggml_ssm_conv) takes no LoRA"),)),
-    mlx=MlxArch("qwen3_5", (qwen3_5_layers,), args_class="TextModelArgs", weight_prefix="language_model.",
+    mlx=MlxArch("qwen3_5", (qwen3_5_layers,), args_class="qwen3_5.TextModelArgs", weight_prefix="language_model.",
                 model_type="qwen3_5",
                 fixed_rules={"layer_types": KeyRule("carried", "as full_attention_interval, which mlx-lm reads"),
                              "rope_parameters": KeyRule("carried", "read by mlx-lm's qwen3_5 as it is"),

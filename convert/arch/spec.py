@@ -35,7 +35,9 @@ class ExpertLayout:
     router: str = "gate"  # the router (a [E, H] linear) inside the block, both in memory and on disk
 
     def expert_count(self, config: dict) -> int:
-        count = next((config[k] for k in self.expert_count_keys if config.get(k) is not None), None)
+        """Experts per layer: from ``config``, or a multimodal checkpoint's ``text_config``."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        count = next((c[k] for c in (config, text) for k in self.expert_count_keys if c.get(k) is not None), None)
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise UserError(f"config.json gives no expert count ({' or '.join(self.expert_count_keys)}: {count!r})",
                             "add the number of experts per layer to config.json")

@@ -123,15 +123,16 @@ def rope_sections(cfg: dict) -> list[int]:
     s the time position while s < 3 * sections[s % 3] (and the s % 3 == 1, 2 rows the height and width ones, equal for
     text), and the fourth position (0 for text: no rotation) past that; transformers rotates every pair by the time
     position. The model's sections are written where they cover every pair (the released ones' [11, 11, 10] over 32
-    pairs do), else sections that do, which rotate text the same (an image's rows are not in a text model's
-    GGUF)."""
+    pairs do) within the rotated size (llama.cpp asserts their sum is at most that), else sections that do, which
+    rotate text the same (an image's rows are not in a text model's GGUF)."""
     params = cfg.get("rope_parameters") or {}
     sections = list(params.get("mrope_section") or MROPE_SECTIONS)[:3]
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
     pairs = int(head_dim * partial) // 2
     period = sum(sections) or 1
-    if len(sections) < 3 or any(not (s % period) < 3 * sections[(s % period) % 3] for s in range(pairs)):
+    if len(sections) < 3 or sum(sections) > 2 * pairs or any(
+            not (s % period) < 3 * sections[(s % period) % 3] for s in range(pairs)):
         sections = [-(-pairs // 3)] * 3  # every pair below 3 * ceil(pairs / 3), and at most 2 * pairs in all
     return [*sections, 0]
 

@@ -167,7 +167,16 @@ class MlxArch:
     switch_mlp: tuple[tuple[str, str], ...] = ()
     quant_predicate: Callable[[str], dict | None] | None = None
     notes: tuple[str, ...] = ()
-    args_class: str = "ModelArgs"  # the module's class whose fields are the config keys it reads
+    # the class whose fields are the config keys it reads ("module.Class" under mlx_lm.models; "": the model
+    # module's ModelArgs)
+    args_class: str = ""
+
+    def args(self) -> type:
+        """mlx-lm's class whose fields are the config keys this model reads."""
+        import importlib
+
+        module, _, name = (self.args_class or f"{self.mlx_model}.ModelArgs").rpartition(".")
+        return getattr(importlib.import_module(f"mlx_lm.models.{module}"), name)
     weight_prefix: str = ""  # where the model's modules sit in mlx-lm's tree (a wrapper's "language_model.")
     model_type: str | None = None  # the model_type mlx-lm knows it by, where it differs from transformers'
     # config keys the config fixes translate into fields mlx-lm reads (the audit's rules for them)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 from ..config_audit import INERT_KEYS, KeyRule, audit, effective_config
 from .archs import mlx_arch_for
@@ -52,9 +51,7 @@ COMMON: dict[str, KeyRule] = {
 @functools.lru_cache(maxsize=32)
 def mlx_read_fields(model_type: str) -> frozenset[str]:
     """The config keys mlx-lm's model for ``model_type`` reads (its ``ModelArgs`` fields)."""
-    march = mlx_arch_for(model_type)
-    args = getattr(importlib.import_module(f"mlx_lm.models.{march.mlx_model}"), march.args_class)
-    return frozenset(f.name for f in dataclasses.fields(args))
+    return frozenset(f.name for f in dataclasses.fields(mlx_arch_for(model_type).args()))
 
 
 def fill_transformers_defaults(cfg: dict) -> list[str]:
@@ -111,8 +108,7 @@ def engine_only_keys(cfg: dict) -> list[str]:
 @functools.lru_cache(maxsize=32)
 def mlx_field_defaults(model_type: str) -> dict:
     """mlx-lm's ``ModelArgs`` fields that have a default, with it."""
-    march = mlx_arch_for(model_type)
-    args = getattr(importlib.import_module(f"mlx_lm.models.{march.mlx_model}"), march.args_class)
+    args = mlx_arch_for(model_type).args()
     return {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING}
 
 

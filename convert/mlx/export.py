@@ -233,7 +233,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
     with atomic_dir(opts.out, force=opts.force) as tmp:
         hashes = write_model(plan, tmp, layout, fixes, opts.max_shard_bytes, progress)
         if qplan:
-            cfg["quantization"] = qplan.config(layout.quantized)
+            # per-module settings under the paths mlx-lm's tree gives the modules (a wrapper's language_model.)
+            cfg["quantization"] = {march.weight_prefix + k if isinstance(v, dict) else k: v
+                                   for k, v in qplan.config(layout.quantized).items()}
             cfg["quantization_config"] = cfg["quantization"]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         copy_side_files(plan, tmp)

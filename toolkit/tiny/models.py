@@ -29,6 +29,9 @@ QWEN3_5_TEXT = (
     ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}))
 
+QWEN3_5_MOE_TEXT = (*QWEN3_5_TEXT, ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
+                    ("shared_expert_intermediate_size", 64))
+
 TINY_ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("llama", "LlamaConfig", "sentencepiece"),
     "mistral": TinyArch("mistral", "MistralConfig", "sentencepiece", (("sliding_window", None),)),
@@ -76,6 +79,10 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "qwen3_5_text": TinyArch("qwen3_5_text", "Qwen3_5TextConfig", "bpe", QWEN3_5_TEXT),
     # Qwen3.5 as released (Qwen3_5ForConditionalGeneration): the text model above and a tiny vision tower
     "qwen3_5": TinyArch("qwen3_5", "Qwen3_5Config", "bpe", QWEN3_5_TEXT, text_config_class="Qwen3_5TextConfig"),
+    # Qwen3.6-35B-A3B's choices in Qwen3.5's 4-layer shape: 4 experts, 2 per token, a shared expert
+    "qwen3_5_moe_text": TinyArch("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "bpe", QWEN3_5_MOE_TEXT),
+    "qwen3_5_moe": TinyArch("qwen3_5_moe", "Qwen3_5MoeConfig", "bpe", QWEN3_5_MOE_TEXT,
+                            text_config_class="Qwen3_5MoeTextConfig"),
     # multipliers away from 1, as in real Granite checkpoints (Granite 3: 12, 0.22, 0.0078125, 8)
     "granite": TinyArch("granite", "GraniteConfig", "sentencepiece", (
         ("embedding_multiplier", 3.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.05),
@@ -168,10 +175,9 @@ def make_base(
                             boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                             tie_word_embeddings=config.tie_word_embeddings)
     elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM: the text model)
-        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
-
-        vision = Qwen3_5VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
-                                     out_hidden_size=config.hidden_size, num_position_embeddings=16)
+        vision = _qwen3_5_vision_class(spec.model_type)(
+            depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
+            out_hidden_size=config.hidden_size, num_position_embeddings=16)
         config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),
                             tie_word_embeddings=config.tie_word_embeddings)
         model_class = transformers.AutoModelForImageTextToText
@@ -190,6 +196,13 @@ def make_base(
     ).save_pretrained(out)
     _set_config_dtype(out / "config.json", dtype)
     return out
+
+
+def _qwen3_5_vision_class(model_type: str):
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+    return next(getattr(module, n) for n in dir(module) if n.endswith("VisionConfig"))
 
 
 def _write_image_processor(out: Path):

@@ -22,9 +22,14 @@ from .tokenizers import TOKENIZER_WRITERS
 HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
 MIN_LAYERS = 4
 KEPT_DEPTHS = {"exaone4": (WINDOW_DEPTH,)}  # llama.cpp runs EXAONE 4's sliding windows at 64 layers only
-# a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds Gemma 3's)
-VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+# a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds them), by the checkpoint's model_type
+SIGLIP = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 32, "patch_size": 8}
+QWEN3_5_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
+                  "out_hidden_size": HIDDEN, "num_position_embeddings": 16, "deepstack_visual_indexes": []}
+VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_VISION, "qwen3_5_moe": QWEN3_5_VISION}
+# Gated DeltaNet heads (Qwen3.5): 2 key heads, 4 value heads where the real ones differ, 64 wide
+LINEAR_KEY_HEADS, LINEAR_HEAD_DIM = 2, 64
 MM_TOKENS_PER_IMAGE = 4
 
 
@@ -71,6 +76,13 @@ def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
             cfg["max_window_layers"] = round(cfg["max_window_layers"] * n / layers)
         if isinstance(cfg.get("mlp_only_layers"), list):
             cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < n]
+    if cfg.get("linear_num_key_heads"):
+        grouped = cfg.get("linear_num_value_heads") != cfg["linear_num_key_heads"]
+        cfg["linear_num_key_heads"] = LINEAR_KEY_HEADS
+        cfg["linear_num_value_heads"] = 2 * LINEAR_KEY_HEADS if grouped else LINEAR_KEY_HEADS
+        for key in ("linear_key_head_dim", "linear_value_head_dim"):
+            if key in cfg:
+                cfg[key] = LINEAR_HEAD_DIM
     for key in ("num_experts", "num_local_experts"):
         if cfg.get(key):
             cfg[key] = EXPERTS
@@ -116,16 +128,18 @@ def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
     text_type = real_config["text_config"].get("model_type", model_type) if multimodal else model_type
     tiny = TINY_ARCHS.get(text_type) or TINY_ARCHS.get(model_type)
     TOKENIZER_WRITERS[tiny.tokenizer if tiny else "bpe"](out)
-    tok = _write_image_processor(out) if multimodal else AutoTokenizer.from_pretrained(out)
+    gemma_vision = multimodal and model_type == "gemma3"  # its image tokens and processor, as it ships them
+    tok = _write_image_processor(out) if gemma_vision else AutoTokenizer.from_pretrained(out)
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     if multimodal:
         cfg = copy.deepcopy(real_config)
         cfg["text_config"] = shrink_text_config(cfg["text_config"], len(tok), {})
         cfg["text_config"].setdefault("vocab_size", len(tok))
-        cfg["vision_config"] = {**cfg.get("vision_config", {}), **VISION}
-        cfg.update({k: v for k, v in {"mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
-                                      "image_token_index": tok.image_token_id, "boi_token_index": tok.boi_token_id,
-                                      "eoi_token_index": tok.eoi_token_id}.items() if k in cfg})
+        cfg["vision_config"] = {**cfg.get("vision_config", {}), **VISION.get(model_type, SIGLIP)}
+        if gemma_vision:
+            cfg.update({k: v for k, v in {"mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+                                          "image_token_index": tok.image_token_id, "boi_token_index": tok.boi_token_id,
+                                          "eoi_token_index": tok.eoi_token_id}.items() if k in cfg})
         cfg.update({k: [v] if isinstance(cfg[k], list) else v for k, v in ids.items() if k in cfg and v is not None})
         if "torch_dtype" in cfg:
             cfg["torch_dtype"] = "float32"
@@ -133,7 +147,12 @@ def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
         cfg = shrink_text_config(real_config, len(tok), ids)
     config = type(AutoConfig.for_model(model_type)).from_dict(copy.deepcopy(cfg))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # the class the config names (a multimodal Qwen3.5, whose config AutoModelForCausalLM builds the text model of)
+    import transformers
+
+    named = getattr(transformers, next(iter(cfg.get("architectures") or []), ""), None)
+    model = (named._from_config(config, dtype=torch.float32) if multimodal and isinstance(named, type)
+             else AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     with torch.no_grad():  # norms away from 1, biases away from 0: their handling is tested too
         for name, p in model.named_parameters():
             if "norm" in name:
