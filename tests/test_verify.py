@@ -250,8 +250,10 @@ def test_verify_every_architecture_mlx(zoo, tmp_path, arch):
         adapter = make_adapter(base, "all_linear", tmp_path / "adapter")
     out = tmp_path / "mlx"
     tuneport.export(base=base, adapters=[f"a={adapter}"], target="mlx", adapter_mode="separate", out=out)
+    # Qwen3.5-MoE: fp32's order of operations alone moves its logits 1.1-1.5e-3 (PEFT's own merge_and_unload, 1.45e-3)
+    limit = "2e-3" if arch.startswith("qwen3_5_moe") else "1e-3"
     report = verify(artifact=out, reference=base, adapter=adapter, lora=out / "adapters" / "a",
-                    gates=["max_abs<=1e-3", "top1>=1", "greedy>=1"])
+                    gates=[f"max_abs<={limit}", "top1>=1", "greedy>=1"])
     assert not _numeric_failures(report), report.failure_line()
 
 

