@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 
 from .errors import UserError
@@ -49,7 +50,8 @@ def _meta_model(path: Path):
                         HINT) from e
     named = getattr(transformers, next(iter(getattr(config, "architectures", None) or []), ""), None)
     with torch.device("meta"), contextlib.redirect_stdout(None):
-        if isinstance(named, type) and issubclass(named, transformers.PreTrainedModel):
+        if isinstance(named, type) and issubclass(named, transformers.PreTrainedModel) and \
+                named.config_class is type(config):  # a class of this config (not a stale or other head's name)
             return named._from_config(config)
         return AutoModelForCausalLM.from_config(config)
 
@@ -77,13 +79,15 @@ def check_hf_dir(path: Path, tensors: bool = True) -> str:
     from .multimodal import disk_names
 
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    # what transformers loads past without a word (Qwen3.5's multi-token-prediction head, which merge keeps)
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     if (arch := known_arch(getattr(model.config, "model_type", None))) is not None:
         expected = disk_shapes(arch, expected)  # mixture-of-experts: one tensor per expert on disk
     written = _written_shapes(path)
     expected = disk_names(getattr(model.config, "model_type", None), expected, written)  # multimodal layouts
     tied = set(disk_names(getattr(model.config, "model_type", None), dict.fromkeys(_tied_keys(model), ()), written))
     missing = sorted(set(expected) - set(written) - tied)
-    unexpected = sorted(set(written) - set(expected))
+    unexpected = sorted(n for n in set(written) - set(expected) if not any(p.search(n) for p in ignored))
     wrong = sorted(n for n in set(expected) & set(written) if expected[n] != written[n])
     model_type = getattr(model.config, "model_type", None)
     for what, names in (("missing", missing), ("unexpected", unexpected), ("with the wrong shape", wrong)):

@@ -79,3 +79,65 @@ def test_the_resaved_text_model_exports_and_merges_like_transformers(resaved, tm
     assert code == 0, err
     merged = compare_logits(want, logits(load_hf(tmp_path / "merged"), torch.tensor([IDS]))[0])
     assert merged.max_abs <= 1e-4 and compare_logits(want, ref).max_abs > 0.1, merged
+
+
+def _with_mtp_head(base: Path, out: Path) -> Path:
+    """``base`` with a multi-token-prediction head beside it, as the hub's checkpoints store one (``mtp.*``, which
+    transformers loads past)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, out)
+    head = {"mtp.fc.weight": torch.randn(128, 256), "mtp.norm.weight": torch.ones(128),
+            "mtp.layers.0.input_layernorm.weight": torch.ones(128)}
+    save_file(head, out / "mtp.safetensors")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(head, "mtp.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+@pytest.mark.llamacpp
+def test_a_released_checkpoints_mtp_head_is_kept_by_merge_and_left_out_of_the_gguf(zoo, tmp_path, cli):
+    """Merge keeps mtp.* (the load check passes it as transformers does) and equals PEFT; the GGUF of the text model
+    leaves it out and equals transformers."""
+    from safetensors import safe_open
+
+    base = _with_mtp_head(zoo.base("qwen3_5"), tmp_path / "base")
+    adapter = zoo.adapter("qwen3_5", "all_linear")
+    code, _, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "merged")
+    assert code == 0, err
+    stored = set()
+    for f in (tmp_path / "merged").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            stored |= set(s.keys())
+    assert {"mtp.fc.weight", "mtp.norm.weight"} <= stored
+    want = logits(load_peft(base, adapter), torch.tensor([IDS]))[0]
+    assert compare_logits(want, logits(load_hf(tmp_path / "merged"), torch.tensor([IDS]))[0]).max_abs <= 1e-4
+    code, _, err = cli("export", "--target", "gguf", "--base", base, "--quant", "f32", "--out", tmp_path / "gguf")
+    assert code == 0, err
+    llm = llamacpp_model(tmp_path / "gguf" / "base-F32.gguf")
+    try:
+        got = compare_logits(logits(load_hf(base), torch.tensor([IDS]))[0], llamacpp_logits(llm, IDS))
+    finally:
+        llm.close()
+    assert got.max_abs <= 1e-4, got
+
+
+def test_a_quantized_mlx_export_reads_back_as_its_text_model(zoo, tmp_path, cli):
+    """mlx-lm knows the text model as qwen3_5_moe and keys per-module quantization by its own tree
+    (language_model.*): tuneport reads the directory back as qwen3_5_moe_text with the router's 8 bits."""
+    pytest.importorskip("mlx_lm")
+    from tuneport.convert.checkpoint import Checkpoint
+
+    out = tmp_path / "mlx"
+    code, _, err = cli("export", "--target", "mlx", "--base", zoo.base("qwen3_5_moe_text"), "--quant", "q4",
+                       "--out", out)
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe" and cfg["quantization"]["language_model.model.layers.0.mlp.gate"][
+        "bits"] == 8
+    ckpt = Checkpoint(out)
+    assert ckpt.model_type == "qwen3_5_moe_text"
+    assert ckpt.weight_shape("model.layers.0.mlp.gate.weight") == (4, 128)  # 4 experts over hidden 128, unpacked
+    code, stdout, err = cli("inspect", out, "--json")
+    assert code == 0 and json.loads(stdout)["architecture"] == "qwen3_5_moe_text", err

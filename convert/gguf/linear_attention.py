@@ -125,7 +125,7 @@ def rope_sections(cfg: dict) -> list[int]:
     position. The model's sections are written where they cover every pair (the released ones' [11, 11, 10] over 32
     pairs do) within the rotated size (llama.cpp asserts their sum is at most that), else sections that do, which
     rotate text the same (an image's rows are not in a text model's GGUF)."""
-    params = cfg.get("rope_parameters") or {}
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     sections = list(params.get("mrope_section") or MROPE_SECTIONS)[:3]
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)

@@ -90,8 +90,8 @@ class MlxEngine(AdapterEngine):
             kinds = sorted({type(c).__name__ for c in caches if not hasattr(c, "merge")})
             raise UserError(f"{self.model_dir}: mlx-lm cannot batch this model's caches ({', '.join(kinds)})",
                             "serve it with mlx_lm.server (one request at a time) or another engine")
-        args = self.model.args  # a wrapper's (Qwen3.5's) vocabulary is its text model's
-        self.n_vocab = int(getattr(args, "vocab_size", None) or args.text_config["vocab_size"])
+        inner = getattr(self.model, "language_model", None)  # a wrapper's (Qwen3.5's) text model holds the vocabulary
+        self.n_vocab = int((inner if hasattr(inner, "args") else self.model).args.vocab_size)
         self.base_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.targets = targets(self.model)
         self.eos = set(self.tokenizer.eos_token_ids or ())
