@@ -73,9 +73,16 @@ UNBUILDABLE = {
 }
 
 
+# Qwen3.5 as released differs from its text model (every variant above) in names only: the variants that touch names
+# (embeddings, lm_head, a full tensor, all linears) run on it
+RENAMED_ONLY = {"qwen3_5": ("all_linear", "embedding", "tied", "modules_to_save"),
+                "qwen3_5_moe": ("all_linear", "embedding", "tied", "modules_to_save")}
+
+
 def _variant_cases() -> list:
     return [pytest.param(a, v, marks=pytest.mark.skip(reason=UNBUILDABLE[a, v])) if (a, v) in UNBUILDABLE
-            else (a, v) for a in supported("merge") if a in TINY_ARCHS for v in VARIANTS]
+            else (a, v) for a in supported("merge") if a in TINY_ARCHS for v in VARIANTS
+            if v in RENAMED_ONLY.get(a, VARIANTS)]
 
 
 @pytest.mark.parametrize(("arch", "variant"), _variant_cases())
