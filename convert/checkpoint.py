@@ -137,7 +137,7 @@ class Checkpoint:
             raise UserError(f"{cfg_path}: model_type is {self.model_type!r}, not a string",
                             "repair or re-download config.json")
         check_config(self.config, cfg_path)
-        tower = (known_arch(self.model_type).text_tower if known_arch(self.model_type) else None)
+        tower = getattr(known_arch(self.model_type), "text_tower", None)
         if tower is not None and not isinstance(self.config.get("text_config"), dict):
             # a multimodal type over a flat text config is its text model (what mlx-lm's exports of it say)
             self.model_type = tower.text_model_type

@@ -368,6 +368,25 @@ def test_hub_id_base_and_adapter_serve_under_their_names(hub):
         assert ask_tokens(httpx.Client(base_url=server.url), "tiny-llama", [1, 50, 60], 2)[0] == 200
 
 
+def _mixed_traffic_answers_like_peft(base, adapters: dict, by_adapter: bool) -> None:
+    """Base and ``adapters`` (PEFT) served by llama.cpp from the HF base, two contexts, concurrency 4, every prompt
+    twice (queued adapter by adapter, or prompt by prompt): each answer is transformers' / PEFT's greedy tokens."""
+    from tuneport.toolkit.fidelity import load_hf
+
+    want = {None: [greedy(load_hf(base), p, N) for p in PROMPTS]}
+    want.update({n: [greedy(load_peft(base, a), p, N) for p in PROMPTS] for n, a in adapters.items()})
+    assert len({tuple(map(tuple, v)) for v in want.values()}) == len(want)  # every adapter changes the answers
+    jobs = ([(name, i) for name in want for i in range(len(PROMPTS))] if by_adapter
+            else [(name, i) for i in range(len(PROMPTS)) for name in want]) * 2
+    with tuneport.serve(base=base, adapters={n: str(a) for n, a in adapters.items()}, engine="llamacpp",
+                        dtype="fp32", kv_f32=True, n_ctx=64, contexts=2, port=0) as server:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, PROMPTS[j[1]], N), jobs))
+    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r != (200, want[j[0]][j[1]])]
+    assert not bad, bad[:2]
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe_text"])
 def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch, arch):
     """An HF mixture-of-experts base (F32) and PEFT adapters converted on load: attention-only, LoRA on the fused
@@ -379,19 +398,7 @@ def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_pa
     third = "all_linear" if arch in ("qwen2_moe", "qwen3_5_moe_text") else "per_expert"
     adapters = {"attention": zoo.adapter(arch, "plain"), "experts": zoo.adapter(arch, "experts"),
                 third: zoo.adapter(arch, third)}
-    from tuneport.toolkit.fidelity import load_hf
-
-    want = {None: [greedy(load_hf(base), p, N) for p in PROMPTS]}
-    want.update({n: [greedy(load_peft(base, a), p, N) for p in PROMPTS] for n, a in adapters.items()})
-    assert len({tuple(map(tuple, v)) for v in want.values()}) == len(want)  # every adapter changes the answers
-    jobs = [(name, i) for name in want for i in range(len(PROMPTS))] * 2
-    with tuneport.serve(base=base, adapters={n: str(a) for n, a in adapters.items()}, engine="llamacpp",
-                        dtype="fp32", kv_f32=True, n_ctx=64, contexts=2, port=0) as server:
-        c = httpx.Client(base_url=server.url, timeout=120)
-        with ThreadPoolExecutor(4) as ex:
-            results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, PROMPTS[j[1]], N), jobs))
-    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r != (200, want[j[0]][j[1]])]
-    assert not bad, bad[:2]
+    _mixed_traffic_answers_like_peft(base, adapters, by_adapter=True)
 
 
 def test_hybrid_linear_attention_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch):
@@ -403,19 +410,7 @@ def test_hybrid_linear_attention_adapters_serve_mixed_with_base_like_peft(zoo, t
     arch = "qwen3_5_text"
     base = zoo.base(arch)
     adapters = {"attention": zoo.adapter(arch, "plain"), "all": zoo.adapter(arch, "all_linear")}
-    from tuneport.toolkit.fidelity import load_hf
-
-    want = {None: [greedy(load_hf(base), p, N) for p in PROMPTS]}
-    want.update({n: [greedy(load_peft(base, a), p, N) for p in PROMPTS] for n, a in adapters.items()})
-    assert len({tuple(map(tuple, v)) for v in want.values()}) == len(want)  # every adapter changes the answers
-    jobs = [(name, i) for i in range(len(PROMPTS)) for name in want] * 2
-    with tuneport.serve(base=base, adapters={n: str(a) for n, a in adapters.items()}, engine="llamacpp",
-                        dtype="fp32", kv_f32=True, n_ctx=64, contexts=2, port=0) as server:
-        c = httpx.Client(base_url=server.url, timeout=120)
-        with ThreadPoolExecutor(4) as ex:
-            results = list(ex.map(lambda j: ask_tokens(c, j[0] or server.backend.name, PROMPTS[j[1]], N), jobs))
-    bad = [(j, r) for j, r in zip(jobs, results, strict=True) if r != (200, want[j[0]][j[1]])]
-    assert not bad, bad[:2]
+    _mixed_traffic_answers_like_peft(base, adapters, by_adapter=False)
 
 
 def test_multimodal_gemma3_base_serves_its_text_model_with_peft_adapters(zoo, tmp_path, monkeypatch):

@@ -3,8 +3,8 @@ shared expert, whose output a sigmoid gate (``shared_expert_gate``, a [1, hidden
 
 from ..calibration.layouts import ATTENTION_GROUPS, ScaleGroup, transformers_layout
 from ..config_audit import KeyRule, must_be
-from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, GGUFArch
-from ..gguf.config_rules import COMMON, MOE, NO_SLIDING_GRAPH
+from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, SHARED_EXPERTS, GGUFArch
+from ..gguf.config_rules import COMMON, MOE, NO_SLIDING_GRAPH, SHARED_EXPERT_RULES
 from ..mlx.arch_facts import MlxArch, no_sliding_window, rope_top_level
 from .spec import ATTENTION_LINEARS, ArchSpec, ExpertLayout
 
@@ -23,14 +23,10 @@ ARCH = ArchSpec(
            "mlp.shared_expert (a dense MLP every token runs) scaled by sigmoid(mlp.shared_expert_gate); q/k/v biased",),
     # llama.cpp's Qwen2MoeModel converter and src/models/qwen2moe.cpp: shared expert as ffn_*_shexp, its gate as
     # ffn_gate_inp_shexp (kept F32, as the converter keeps it), experts' weights not renormalized (norm_w false)
-    gguf=GGUFArch(COMMON_HPARAMS + EXPERTS + (
-        ("expert_feed_forward_length", ("moe_intermediate_size",), "u32"),
-        ("expert_shared_feed_forward_length", ("shared_expert_intermediate_size",), "u32"),
-    ), {
+    gguf=GGUFArch(COMMON_HPARAMS + EXPERTS + SHARED_EXPERTS, {
         **COMMON, **NO_SLIDING_GRAPH, **MOE,
         "qkv_bias": KeyRule("carried", "attn_{q,k,v}.bias (optional in llama.cpp's Qwen2-MoE)"),
-        "moe_intermediate_size": KeyRule("carried", "expert_feed_forward_length"),
-        "shared_expert_intermediate_size": KeyRule("carried", "expert_shared_feed_forward_length"),
+        **SHARED_EXPERT_RULES,
         "norm_topk_prob": KeyRule("refused unless", "false", must_be(
             False, None, why="llama.cpp's Qwen2-MoE graph does not renormalize the chosen experts' weights")),
         "decoder_sparse_step": KeyRule("refused unless", "1", must_be(1, why=ALL_SPARSE)),

@@ -4,9 +4,8 @@ gate scales; the router always renormalizes the chosen experts' weights. The rel
 layer's experts fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), which the checkpoint
 reader serves per expert."""
 
-from ..config_audit import KeyRule
-from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, GGUFArch
-from ..gguf.config_rules import COMMON, MOE, NO_BIASES
+from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, SHARED_EXPERTS, GGUFArch
+from ..gguf.config_rules import COMMON, MOE, NO_BIASES, SHARED_EXPERT_RULES
 from ..mlx.arch_facts import MlxArch, qwen3_5_layers
 from .qwen3_5_text import ARCH as DENSE
 from .qwen3_5_text import DELTA_NET_LINEARS, LINEAR_ATTENTION_RULES
@@ -26,13 +25,9 @@ ARCH = ArchSpec(
     experts=ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj"),
     notes=("Qwen3.5's hybrid layers (see qwen3_5_text) with a routed mixture of experts and a shared expert scaled "
            "by sigmoid(mlp.shared_expert_gate) in every layer; the chosen experts' weights renormalized",),
-    gguf=GGUFArch(COMMON_HPARAMS + EXPERTS + (
-        ("expert_feed_forward_length", ("moe_intermediate_size",), "u32"),
-        ("expert_shared_feed_forward_length", ("shared_expert_intermediate_size",), "u32"),
-    ), {
+    gguf=GGUFArch(COMMON_HPARAMS + EXPERTS + SHARED_EXPERTS, {
         **COMMON, **MOE, "attention_bias": NO_BIASES["attention_bias"], **LINEAR_ATTENTION_RULES,
-        "moe_intermediate_size": KeyRule("carried", "expert_feed_forward_length"),
-        "shared_expert_intermediate_size": KeyRule("carried", "expert_shared_feed_forward_length"),
+        **SHARED_EXPERT_RULES,
     }, norm_offset=1.0, norm_offset_skip=("linear_attn.norm.weight",), write_rope_dims=True,
         keep_f32=("ssm_conv1d.weight", "ffn_gate_inp_shexp.weight"), delta_net=True, dropped_prefixes=("mtp.",),
         no_lora=DENSE.gguf.no_lora),

@@ -64,3 +64,8 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
 SLIDING: tuple[HParam, ...] = (("attention.sliding_window", ("sliding_window",), "u32"),)
 EXPERTS: tuple[HParam, ...] = (("expert_count", ("num_local_experts", "num_experts"), "u32"),
                                ("expert_used_count", ("num_experts_per_tok",), "u32"))
+# a routed mixture of experts beside a shared expert (Qwen2-MoE, Qwen3.5-MoE)
+SHARED_EXPERTS: tuple[HParam, ...] = (
+    ("expert_feed_forward_length", ("moe_intermediate_size",), "u32"),
+    ("expert_shared_feed_forward_length", ("shared_expert_intermediate_size",), "u32"),
+)

@@ -123,3 +123,7 @@ MOE = {
     "output_router_logits": KeyRule("inert", "returns the router's logits for that loss"),
     "router_jitter_noise": KeyRule("inert", "applied in training only"),
 }
+SHARED_EXPERT_RULES = {
+    "moe_intermediate_size": KeyRule("carried", "expert_feed_forward_length"),
+    "shared_expert_intermediate_size": KeyRule("carried", "expert_shared_feed_forward_length"),
+}

@@ -53,6 +53,14 @@ class DeltaNetShape:
         return torch.cat([head, rest]).movedim(0, dim)
 
 
+# Where each Gated DeltaNet tensor keeps its value heads: (axis, per-head width, offset); "v" stands for the value
+# head size, "qk" for the query and key rows before the values (2 x key heads x key head size)
+VALUE_HEAD_AXES: dict[str, tuple[int, str | int, str | int]] = {
+    "in_proj_qkv": (0, "v", "qk"), "conv1d": (0, "v", "qk"), "in_proj_z": (0, "v", 0),
+    "in_proj_a": (0, 1, 0), "in_proj_b": (0, 1, 0), "A_log": (0, 1, 0), "dt_bias": (0, 1, 0), "out_proj": (1, "v", 0),
+}
+
+
 def is_delta_net(name: str) -> bool:
     return ".linear_attn." in name
 
@@ -69,39 +77,38 @@ def gguf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
+def _reorder(module: str, cfg: dict) -> tuple[int, Transform] | None:
+    """(axis, reorder) of ``module``'s value heads from transformers' order to llama.cpp's; None where none moves."""
+    axes = VALUE_HEAD_AXES.get(module.rsplit(".", 1)[-1]) if is_delta_net(module) else None
+    s = DeltaNetShape.of(cfg) if axes else None
+    if s is None or not s.grouped:
+        return None
+    dim, width, start = ({"v": s.value_dim, "qk": 2 * s.key_heads * s.key_dim}.get(x, x) for x in axes)
+    return dim, lambda t: s.tile(t, dim, width, start)
+
+
 def tensor_transform(name: str, cfg: dict) -> Transform | None:
     """How the base tensor ``name`` of a Gated DeltaNet layer is written to GGUF (None: as it is)."""
     if not is_delta_net(name):
         return None
-    s = DeltaNetShape.of(cfg)
-    qk_rows = 2 * s.key_heads * s.key_dim
-    leaf = name.rsplit("linear_attn.", 1)[1]
-    fixes: dict[str, Transform] = {
-        "A_log": lambda t: -torch.exp(s.tile(t.float(), 0, 1)),
-        "dt_bias": lambda t: s.tile(t.float(), 0, 1),
-        "conv1d.weight": lambda t: s.tile(t.float().squeeze(1), 0, s.value_dim, qk_rows),
-        "in_proj_qkv.weight": lambda t: s.tile(t, 0, s.value_dim, qk_rows),
-        "in_proj_z.weight": lambda t: s.tile(t, 0, s.value_dim),
-        "in_proj_a.weight": lambda t: s.tile(t, 0, 1),
-        "in_proj_b.weight": lambda t: s.tile(t, 0, 1),
-        "out_proj.weight": lambda t: s.tile(t, 1, s.value_dim),
-    }
-    return fixes.get(leaf)
+    module = name.removesuffix(".weight")
+    reorder = _reorder(module, cfg)
+    tile = reorder[1] if reorder else (lambda t: t)
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf == "A_log":
+        return lambda t: -torch.exp(tile(t.float()))
+    if leaf in ("dt_bias", "conv1d"):
+        return lambda t: tile(t.float().squeeze(1) if t.dim() == 3 else t.float())
+    return reorder[1] if reorder else None
 
 
 def lora_transforms(module: str, cfg: dict) -> tuple[Transform | None, Transform | None]:
     """(on A, on B) for a LoRA on ``module``: the base's value-head reorder applied to B's rows or A's columns."""
-    if not is_delta_net(module + ".") or not DeltaNetShape.of(cfg).grouped:
+    reorder = _reorder(module, cfg)
+    if reorder is None:
         return None, None
-    s = DeltaNetShape.of(cfg)
-    leaf = module.rsplit(".", 1)[-1]
-    if leaf == "out_proj":
-        return (lambda a: s.tile(a, 1, s.value_dim)), None
-    rows = {"in_proj_qkv": (s.value_dim, 2 * s.key_heads * s.key_dim), "in_proj_z": (s.value_dim, 0),
-            "in_proj_a": (1, 0), "in_proj_b": (1, 0)}.get(leaf)
-    if rows is None:
-        return None, None
-    return None, (lambda b, r=rows: s.tile(b, 0, r[0], r[1]))
+    dim, tile = reorder
+    return (tile, None) if dim == 1 else (None, tile)
 
 
 def write_hparams(writer, arch: str, cfg: dict) -> None:

@@ -26,6 +26,15 @@ def _rope_scaling(params: dict) -> dict | None:
     return {**{k: v for k, v in params.items() if k != "rope_theta"}, "type": kind, "rope_type": kind}
 
 
+def every_nth(flags: list[bool], hint: int | None = None) -> int | None:
+    """The n (at most the layer count; ``hint`` tried first) for which layer i is flagged iff (i + 1) % n == 0, the
+    way mlx-lm places a model's other kind of layer (Gemma 3's global ones, Qwen3.5's full-attention ones); None if
+    no n gives ``flags``."""
+    candidates = ([hint] if hint else []) + list(range(1, len(flags) + 1))
+    return next((n for n in candidates if n <= len(flags)
+                 and all(f == ((i + 1) % n == 0) for i, f in enumerate(flags))), None)
+
+
 def rope_top_level(cfg: dict) -> list[str]:
     """transformers 5 keeps the rope base (and partial_rotary_factor, scaling) in ``rope_parameters``;
     mlx-lm reads ``rope_theta``, ``partial_rotary_factor`` and ``rope_scaling`` at the top level."""
@@ -59,12 +68,8 @@ def gemma3_rope_and_windows(cfg: dict) -> list[str]:
                 filled.append("rope_scaling")
     types = cfg.get("layer_types")
     if types and "sliding_window_pattern" not in cfg:
-        sliding = [t == "sliding_attention" for t in types]
-        hint = cfg.get("_sliding_window_pattern")
         # mlx-lm needs a global layer within the first `pattern` layers (it reads that layer's cache)
-        candidates = ([hint] if hint else []) + list(range(1, len(types) + 1))
-        pattern = next((p for p in candidates if p <= len(types)
-                        and all(s == ((i + 1) % p != 0) for i, s in enumerate(sliding))), None)
+        pattern = every_nth([t != "sliding_attention" for t in types], cfg.get("_sliding_window_pattern"))
         if pattern is None:
             raise UserError(f"Gemma 3 layer_types {types} follow no pattern mlx-lm can express",
                             "mlx-lm needs a global layer every sliding_window_pattern layers (at most the layer "
@@ -130,9 +135,7 @@ def qwen3_5_layers(cfg: dict) -> list[str]:
     filled = []
     types = cfg.get("layer_types")
     if types:
-        full = [t == "full_attention" for t in types]
-        every = next((n for n in range(1, len(types) + 1)
-                      if all(f == ((i + 1) % n == 0) for i, f in enumerate(full))), None)
+        every = every_nth([t == "full_attention" for t in types])
         if every is None:
             raise UserError(f"Qwen3.5 layer_types {types} follow no pattern mlx-lm can express",
                             "mlx-lm makes every full_attention_interval-th layer full attention; export for "

@@ -29,6 +29,9 @@ QWEN3_5_TEXT = (
     ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}))
 
+# Qwen3.5's vision tower, tiny (out_hidden_size: the text model's hidden size)
+QWEN3_5_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
+                  "num_position_embeddings": 16}
 QWEN3_5_MOE_TEXT = (*QWEN3_5_TEXT, ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
                     ("shared_expert_intermediate_size", 64))
 
@@ -175,9 +178,7 @@ def make_base(
                             boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                             tie_word_embeddings=config.tie_word_embeddings)
     elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM: the text model)
-        vision = _qwen3_5_vision_class(spec.model_type)(
-            depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
-            out_hidden_size=config.hidden_size, num_position_embeddings=16)
+        vision = _qwen3_5_vision_class(spec.model_type)(**{**QWEN3_5_VISION, "out_hidden_size": config.hidden_size})
         config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),
                             tie_word_embeddings=config.tie_word_embeddings)
         model_class = transformers.AutoModelForImageTextToText

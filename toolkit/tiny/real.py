@@ -16,7 +16,7 @@ import torch
 
 from tuneport.convert.arch.exaone4 import WINDOW_DEPTH
 
-from .models import TINY_ARCHS, _write_image_processor
+from .models import QWEN3_5_VISION, TINY_ARCHS, _write_image_processor
 from .tokenizers import TOKENIZER_WRITERS
 
 HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
@@ -25,9 +25,8 @@ KEPT_DEPTHS = {"exaone4": (WINDOW_DEPTH,)}  # llama.cpp runs EXAONE 4's sliding 
 # a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds them), by the checkpoint's model_type
 SIGLIP = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 32, "patch_size": 8}
-QWEN3_5_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
-                  "out_hidden_size": HIDDEN, "num_position_embeddings": 16, "deepstack_visual_indexes": []}
-VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_VISION, "qwen3_5_moe": QWEN3_5_VISION}
+QWEN3_5_TINY_VISION = {**QWEN3_5_VISION, "out_hidden_size": HIDDEN}
+VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_TINY_VISION, "qwen3_5_moe": QWEN3_5_TINY_VISION}
 # Gated DeltaNet heads (Qwen3.5): 2 key heads, 4 value heads where the real ones differ, 64 wide
 LINEAR_KEY_HEADS, LINEAR_HEAD_DIM = 2, 64
 MM_TOKENS_PER_IMAGE = 4
