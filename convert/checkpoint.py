@@ -24,6 +24,7 @@ from .hashing import sha256_file
 from .safetensors_file import SafetensorsFile
 from .stored.int4 import packed_weight_shape
 from .stored.mlx import unpacked_shape  # an MLX LM weight, packed beside its scales
+from .stored.mxfp4 import decode as decode_mxfp4
 from .tensors import TensorMeta
 
 # Files that travel with a model: everything a tokenizer, a processor or generation needs.
@@ -147,9 +148,12 @@ class Checkpoint:
         self._metas: dict[str, TensorMeta] = {}
         self._rows: dict[str, ExpertRows] = {}  # per-expert names served from fused expert tensors
         self._stored: dict[str, str] = {}  # the model's name -> the name stored, where the two differ
+        self._companions: dict[str, str] = {}  # tensors only read with another (MXFP4 scales) -> their file
+        self.notes: list[str] = []
         self._index_weights()
         self._strip_stored_prefixes()
         self._unfuse_experts()
+        self._decode_mxfp4_experts()
 
     # -- discovery ---------------------------------------------------------------------------
     def _index_weights(self) -> None:
@@ -224,15 +228,30 @@ class Checkpoint:
             return
         where, metas = {}, {}
         for name, fname in self._where.items():
+            if views.get(name) == []:  # read with other tensors (MXFP4 scales with their blocks)
+                self._companions[name] = fname
             for new, shape, rows in views.get(name, [(name, self._metas[name].shape, None)]):  # type: ignore[list-item]
                 if new in where or (new != name and new in self._where):
                     raise UserError(f"{self.path}: tensor {new} is stored both per expert and fused ({name})",
                                     "remove the stray file, or repair model.safetensors.index.json")
                 where[new] = fname
-                metas[new] = TensorMeta(new, self._metas[name].dtype, shape)
+                metas[new] = TensorMeta(new, torch.bfloat16 if rows is not None and rows.scales
+                                        else self._metas[name].dtype, shape)
                 if rows is not None:
                     self._rows[new] = rows
         self._where, self._metas = where, metas
+
+    def _decode_mxfp4_experts(self) -> None:
+        """gpt-oss as released and as Unsloth merges it: the experts in MXFP4, everything else 16-bit. Every MXFP4
+        tensor is served decoded (exactly: E2M1 values times powers of two are bfloat16 numbers), so the checkpoint
+        reads as the unquantized model it dequantizes to."""
+        quant = self.quantization
+        if not (isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" and self._companions):
+            return
+        if any(n.endswith(("_blocks", "_scales")) for n in self._where):
+            return  # MXFP4 tensors outside the experts: left quantized (refused as such)
+        self.stored_quantization = self.config.pop("quantization_config")
+        self.notes.append("experts stored in MXFP4, read as the bfloat16 values they decode to (exactly)")
 
     def _load_pickle(self, p: Path) -> dict[str, torch.Tensor]:
         if self._pickle_cache and self._pickle_cache[0] == p.name:
@@ -275,6 +294,8 @@ class Checkpoint:
         rows = self._rows.get(name)
         source = name if rows is None else rows.source
         source = self._stored.get(source, source)
+        if rows is not None and (rows.transposed or rows.step > 1 or rows.scales):
+            return self._read_strided(fname, source, rows)
         if rows is not None and rows.expert >= 0:
             if self.format == "safetensors":
                 return self._files[fname].read_rows(source, rows.first, self._metas[name].shape)
@@ -282,6 +303,22 @@ class Checkpoint:
         if self.format == "safetensors":
             return self._files[fname].read(source)
         return self._load_pickle(self.path / fname)[source].clone()
+
+    def _read_strided(self, fname: str, source: str, rows: ExpertRows) -> torch.Tensor:
+        """One expert's gate, up or down projection (or bias) of gpt-oss's fused layout; MXFP4 blocks decoded."""
+        def expert_slice(name: str) -> torch.Tensor:
+            if self.format == "safetensors":
+                shape = self._files[fname].tensors[name].shape
+                return self._files[fname].read_rows(name, rows.expert * math.prod(shape[1:]), tuple(shape[1:]))
+            return self._load_pickle(self.path / fname)[name][rows.expert]
+
+        t = expert_slice(source)
+        t = (t.T if rows.transposed else t)[rows.row::rows.step]
+        if rows.scales:
+            fname = self._companions[rows.scales]
+            t = decode_mxfp4(t, expert_slice(self._stored.get(rows.scales, rows.scales))[rows.row::rows.step],
+                             torch.bfloat16)
+        return t.contiguous()
 
     @property
     def weight_files(self) -> list[Path]:

@@ -47,6 +47,9 @@ INERT_KEYS: dict[str, str] = {
                      "cls_token_id", "mask_token_id", "decoder_start_token_id"),
                     "token ids: the tokenizer and generation config carry them"),
 }
+# keys transformers 5 reads as one setting (it builds rope_parameters from a transformers 4 rope_scaling): accepting
+# either accepts both
+SAME_SETTING = {"rope_scaling": "rope_parameters", "rope_parameters": "rope_scaling"}
 ACCEPTED: ContextVar[frozenset[str]] = ContextVar("accepted_config_keys", default=frozenset())
 
 
@@ -68,6 +71,15 @@ class KeyRule:
     how: How
     what: str  # in words, for the manifest and docs/architectures.md
     check: Check | None = None  # returns the reason a value is refused (None: this value is honoured)
+
+
+def yarn_untruncated(engine: str) -> str:
+    """Why ``engine`` cannot run YaRN with ``truncate: false`` as transformers does (gpt-oss's RoPE, measured: head 64,
+    base 150000, 4096 x 32 give the correction range 8.09-17.40; rounded to 8-18, pairs 9-17 turn up to 2.2e-4 rad per
+    position away, 0.06 rad at 256 tokens, 0.9 at 4096; the logits of a tiny model 4.4e-3 apart over 16 tokens)."""
+    return (f"YaRN with truncate: false, which {engine} cannot express: it rounds the correction range to whole "
+            "dimensions (transformers' truncate: true), so RoPE pairs inside that range turn up to 2.2e-4 rad per "
+            "position away from the trained angles for gpt-oss (0.06 rad at 256 tokens, 0.9 at 4096)")
 
 
 def must_be(*allowed: Any, why: str) -> Check:
@@ -146,7 +158,7 @@ def audit(cfg: dict, rules: Mapping[str, KeyRule], target: str, *,
     result = AuditResult()
 
     def refuse(key: str, message: str, hint: str) -> None:
-        if key in accepted:
+        if key in accepted or SAME_SETTING.get(key) in accepted:
             result.accepted.append(f"{key} = {_short(effective[key])}: {message}")
             return
         raise UserError(message, f"{hint}; or pass --accept-config-key {key} to export anyway (recorded as an "

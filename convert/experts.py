@@ -103,7 +103,8 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
     inter, hidden = gate
     shapes = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # (in, out) per expert
     wanted = [t.rsplit(".", 1)[-1] for t in adapter.config.get("target_parameters") or []]
-    layouts = _layouts(adapter)
+    # gpt-oss keeps its experts [E, in, out] in memory, which PEFT's layout (old and new alike) never swaps
+    layouts = (False,) if layout.interleaved_in_out else _layouts(adapter)
     fits = [(f, transposed) for f in FUSED if f in wanted for transposed in layouts
             if (shapes[f][::-1] if transposed else shapes[f]) == (A.shape[1], B.shape[0])]
     if len(fits) != 1 or A.shape[0] % n_experts:
@@ -125,7 +126,8 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
         a, b = a3[e].contiguous(), b3[:, :, e].contiguous()
         if transposed:  # delta = (B_e A_e)ᵀ = A_eᵀ B_eᵀ: a LoRA with A' = B_eᵀ, B' = A_eᵀ
             a, b = b.T.contiguous(), a.T.contiguous()
-        parts = ({layout.gate: b[:inter], layout.up: b[inter:]} if fused == "gate_up_proj" else {layout.down: b})
+        halves = (b[0::2], b[1::2]) if layout.interleaved_in_out else (b[:inter], b[inter:])
+        parts = dict(zip((layout.gate, layout.up), halves)) if fused == "gate_up_proj" else {layout.down: b}
         out += [LoraModule(f"{disk}.experts.{e}.{proj}", "linear", a, part.contiguous(), rank, alpha, scale)
                 for proj, part in parts.items()]
     return out
@@ -137,9 +139,17 @@ def expert_tensor(arch: ArchSpec) -> re.Pattern | None:
     return None if layout is None else re.compile(rf"^(.*\.{layout.disk_block})\.experts\.(\d+)\.(\w+)\.weight$")
 
 
+def expert_bias(arch: ArchSpec) -> re.Pattern | None:
+    """Matches a per-expert bias (gpt-oss): groups as :func:`expert_tensor`'s."""
+    layout = arch.experts
+    return None if layout is None else re.compile(rf"^(.*\.{layout.disk_block})\.experts\.(\d+)\.(\w+)\.bias$")
+
+
 def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes a checkpoint stores for a model whose transformers 5 state dict has
     ``memory`` (fused experts split per expert, the router under its disk block); dense models unchanged."""
+    if arch.experts is not None and arch.experts.interleaved_in_out:
+        return memory  # gpt-oss stores its experts as transformers holds them
     views = fused_views(arch, memory)
     if not views:
         return memory
@@ -153,13 +163,15 @@ def expert_groups(arch: ArchSpec, config: dict, names: list[str]) -> dict[str, t
     """Per-expert tensor -> (its MoE block, e.g. ``model.layers.0.block_sparse_moe``; its projection on disk,
     e.g. ``w1``; the tensors of that block and projection in expert order): what engines that stack a layer's
     experts (llama.cpp, mlx-lm) stack. A group missing an expert the config counts is refused."""
-    layout, pattern = arch.experts, expert_tensor(arch)
-    if layout is None or pattern is None:
+    layout, weights, biases = arch.experts, expert_tensor(arch), expert_bias(arch)
+    if layout is None or weights is None or biases is None:
         return {}
     groups: dict[tuple[str, str], dict[int, str]] = {}
     for name in names:
-        if m := pattern.match(name):
+        if m := weights.match(name):
             groups.setdefault((m[1], m[3]), {})[int(m[2])] = name
+        elif m := biases.match(name):  # gpt-oss: stacked as the weights, under the projection's name + ".bias"
+            groups.setdefault((m[1], f"{m[3]}.bias"), {})[int(m[2])] = name
     n = layout.expert_count(config)
     out = {}
     for (block, proj), members in groups.items():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .atomic import atomic_dir
 from .checkpoint import SIDE_FILES
+from .fused_experts import DiskFuser
 from .inputs import Progress, open_inputs
 from .load_check import check_hf_dir
 from .manifest import input_entries, write_manifest
@@ -25,8 +26,10 @@ def write_merged(plan: MergePlan, out: Path, max_shard_bytes: int = DEFAULT_SHAR
     """Stream the merged tensors into ``out`` (an existing, empty directory), each under ``rename(name)``
     when given; return output sha256s."""
     rename = rename or (lambda name: name)
-    specs = [replace(s, name=rename(s.name)) for s in plan.specs]
-    hashes = write_tensors(out, specs, plan.specs, lambda spec: [(rename(spec.name), merge_one(plan, spec))],
+    fuser = DiskFuser(plan.base.arch, plan.specs)  # gpt-oss: experts written fused, as its checkpoints hold them
+    specs = [replace(s, name=rename(s.name)) for s in fuser.specs]
+    hashes = write_tensors(out, specs, plan.specs,
+                           lambda spec: [(rename(n), t) for n, t in fuser.feed(spec.name, merge_one(plan, spec))],
                            max_shard_bytes=max_shard_bytes, progress=progress)
     (out / "config.json").write_text(json.dumps(plan.config, indent=2))
     copy_side_files(plan, out)

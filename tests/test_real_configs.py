@@ -45,7 +45,7 @@ QUANTIZED = "is quantized"
 REFUSED: dict[tuple[str, str], str] = {
     ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
                                                "length",
-    **{("unsloth--gpt-oss-20b-merged", t): "is quantized (MXFP4)" for t in TARGETS},
+    ("unsloth--gpt-oss-20b-merged", "mlx"): "not built yet",
     ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
     ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",
     **{(name, t): QUANTIZED for name in ("axolotl--llama2-7b-qlora", "peft--tinyllama-merged-keeps-bnb-quant",
@@ -53,6 +53,14 @@ REFUSED: dict[tuple[str, str], str] = {
        for t in TARGETS},
 }
 OUTCOMES: dict[tuple[str, str], str] = {}
+# Where a real config exports only with a key accepted (--accept-config-key): (the flag, the config llama.cpp computes
+# with instead). gpt-oss's YaRN is untruncated, which llama.cpp cannot express (convert/gguf/config_rules.py:
+# YARN_UNTRUNCATED): the GGUF is held to transformers computing with truncate: true (1e-4), and its distance from the
+# real config's transformers is measured and printed (4.4e-3 over the tests' 16 positions, growing with the position)
+ACCEPTED_KEYS: dict[tuple[str, str], tuple[list[str], dict]] = {
+    ("unsloth--gpt-oss-20b-merged", "gguf"): (["--accept-config-key", "rope_parameters"],
+                                              {"rope_scaling": {"truncate": True}}),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,23 +128,43 @@ def test_a_real_config_exports_or_is_refused_for_a_reason(name, tmp_path, cli):
                          "--adapter", f"a={adapter}", "--out", out],
                 "mlx": ["export", "--target", "mlx", "--base", base, "--adapters", "separate",
                         "--adapter", f"a={adapter}", "--out", out]}[target]
-        code, _, err = cli(*args)
+        accepted, computed = ACCEPTED_KEYS.get((name, target), ([], {}))
+        code, _, err = cli(*args, *accepted)
         if (name, target) in REFUSED:
             reason = _refusal(code, err, out)
             assert REFUSED[name, target] in reason, reason
             OUTCOMES[name, target] = "refused: " + reason.replace(str(tmp_path), "")[:70]
             continue
         assert code == 0, f"{name} --target {target}: {err}"
+        if computed:  # held to what the engine computes; how far that is from the real config, measured
+            as_engine = tmp_path / f"{target}-as-engine"
+            _config_variant(base, as_engine, computed)
+            worst = compare(target, as_engine, adapter, out, model_type)
+            apart = compare(target, base, adapter, out, model_type, tol=1.0)
+            OUTCOMES[name, target] = f"= (max|d| {worst:.1e}; {apart:.1e} from the real config: accepted key)"
+            continue
         OUTCOMES[name, target] = f"= (max|d| {compare(target, base, adapter, out, model_type):.1e})"
 
 
-def compare(target: str, base: Path, adapter: Path, out: Path, model_type: str) -> float:
+def _config_variant(base: Path, out: Path, patch: dict) -> None:
+    """``base`` (linked, not copied) with ``patch`` merged into its config.json's objects."""
+    out.mkdir()
+    for f in base.iterdir():
+        (out / f.name).symlink_to(f)
+    cfg = json.loads((base / "config.json").read_text())
+    for key, value in patch.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    (out / "config.json").unlink()
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+def compare(target: str, base: Path, adapter: Path, out: Path, model_type: str, tol: float | None = None) -> float:
     """The export's worst max |Δlogit| against transformers / PEFT (asserted within the column's tolerance)."""
     import contextlib
 
     from tests_helpers import llamacpp_gelu
 
-    tol = max(TOL.get(model_type, 1e-4) if target == "gguf" else 1e-4, FOLDED_APART.get(model_type, 0.0))
+    tol = tol or max(TOL.get(model_type, 1e-4) if target == "gguf" else 1e-4, FOLDED_APART.get(model_type, 0.0))
     ids = torch.tensor([IDS])
     table = llamacpp_gelu() if target == "gguf" and model_type in TABLE_GELU else contextlib.nullcontext()
     with torch.no_grad(), table:

@@ -39,6 +39,7 @@ def load_hf(path: Path | str, dtype: torch.dtype = torch.float32, vocab: int | N
     # the reference's own kernel, whatever the config names (a fine-tune saved with flash_attention_2 loads on CPU)
     attention = spec.reference_attention if spec and spec.reference_attention else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+    model = model.to(dtype)  # gpt-oss's MXFP4 experts load dequantized to bfloat16 whatever dtype asks
     if vocab is not None and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab, mean_resizing=False)
     return model.eval()

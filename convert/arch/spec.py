@@ -33,6 +33,11 @@ class ExpertLayout:
     expert_count_keys: tuple[str, ...] = ("num_local_experts", "num_experts")
     memory_block: str = "mlp"  # the block's name in transformers 5's module tree
     router: str = "gate"  # the router (a [E, H] linear) inside the block, both in memory and on disk
+    # gpt-oss's layout, in memory and on disk alike: ``experts.gate_up_proj [E, H, 2I]`` ([in, out], the gate and up
+    # columns interleaved), ``down_proj [E, I, H]``, each with a bias (``gate_up_proj_bias [E, 2I]``), or the two
+    # weights as MXFP4 ``_blocks`` / ``_scales`` ([E, out, in / 32, 16], [E, out, in / 32]). Readers still see one
+    # tensor per expert (``experts.{e}.gate_proj.weight`` and ``.bias``); the merged checkpoint is written fused again.
+    interleaved_in_out: bool = False
 
     def expert_count(self, config: dict) -> int:
         """Experts per layer: from ``config``, or a multimodal checkpoint's ``text_config``."""

@@ -15,7 +15,7 @@ Facts from llama.cpp's model loader (vendored in llama-cpp-python 0.3.36):
 
 from __future__ import annotations
 
-from ..config_audit import KeyRule, must_be
+from ..config_audit import KeyRule, must_be, yarn_untruncated
 
 ROPE_TYPES = ("default", "linear", "yarn")  # llama3's rope_freqs tensor: only the llama graph loads it
 
@@ -30,8 +30,14 @@ def rope_check(*types: str):
             kind = p.get("rope_type", p.get("type", "default"))
             if kind not in types:
                 return f"RoPE types llama.cpp runs for {cfg.get('model_type')}: {', '.join(types)}, not {kind!r}"
+            if kind == "yarn" and p.get("truncate") is False:
+                return YARN_UNTRUNCATED
         return None
     return check
+
+
+# ggml_rope_yarn_corr_dims rounds YaRN's correction range to whole dimensions and no GGUF key changes that
+YARN_UNTRUNCATED = yarn_untruncated("llama.cpp") + ", as in every gpt-oss GGUF"
 
 
 def layer_pattern(key: str, want, rule: str):

@@ -147,10 +147,10 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
 
     garch = gguf_arch_for(arch)
     n_layers = int(config["num_hidden_layers"])
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper()], n_layers)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper().replace("-", "_")], n_layers)
     plan = GGUFModelPlan(arch, garch, config, facts=gguf_config_facts(arch.model_type, config))
     tied = config.get("tie_word_embeddings") is True
-    stacks = {name: (f"{block}.experts.{proj}.weight", order)
+    stacks = {name: (f"{block}.experts.{proj}" + ("" if proj.endswith(".bias") else ".weight"), order)
               for name, (block, proj, order) in expert_groups(arch, config, [n for n, _ in shapes]).items()}
     for name, shape in shapes:
         if name.endswith(DROPPED_SUFFIXES) or name.startswith(garch.dropped_prefixes):
@@ -159,8 +159,9 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             continue  # a tied model's stored lm_head is not what transformers computes with
         if (stacked := stacks.get(name)) is not None:  # an expert: the first one writes the stack
             if stacked[1][0] == name:
-                gname = tmap.get_name(stacked[0], try_suffixes=(".weight",))
-                qtype = "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type
+                gname = tmap.get_name(stacked[0], try_suffixes=(".weight", ".bias"))
+                qtype = ("F32" if name.endswith(".bias") else
+                         "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type)
                 plan.tensors.append(TensorPlan(name, gname, (len(stacked[1]), *shape), qtype, None, stacked[1]))
             continue
         mapped = linear_attention.source_name(name) if garch.delta_net else name
@@ -168,6 +169,8 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         if gname is None:
             raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
                             "the checkpoint has weights this architecture does not define")
+        if not gname.endswith((".weight", ".bias")):
+            gname += ".weight"  # a bare parameter (gpt-oss's attention sinks), as llama.cpp's converter names it
         if len(shape) <= 1 or gname.endswith(KEEP_F32 + garch.keep_f32) or not gname.endswith(".weight"):
             qtype = "F32"
         elif direct_type == "Q8_0" and shape[-1] % 32:

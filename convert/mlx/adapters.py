@@ -107,13 +107,14 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     rank = max(adapter.ranks)
     dora = adapter.use_dora
 
-    switch = dict(mlx_arch_for(base.model_type).switch_mlp)
+    march = mlx_arch_for(base.model_type)
+    switch, stacked_block = dict(march.switch_mlp), march.switch_block
     expert = re.compile(r"^(.+)\.experts\.(\d+)\.(\w+)$") if switch else None
     placed: dict[tuple[int | None, str], object] = {}
     for mod in adapter.modules.values():
         i, key = _split(mod.module, arch.layer_prefix)
         if expert is not None and (m := expert.match(key)) and m[3] in switch:  # into the stacked switch_mlp
-            placed.setdefault((i, f"{m[1]}.switch_mlp.{switch[m[3]]}"), {})[int(m[2])] = mod
+            placed.setdefault((i, f"{m[1]}.{stacked_block}.{switch[m[3]]}"), {})[int(m[2])] = mod
             continue
         placed[(i, key)] = mod
     layers = sorted({i for i, _ in placed if i is not None})
@@ -148,7 +149,7 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
         out.tensors[f"{prefix}{path}.lora_b"] = b.numpy()
 
     def expert_shape(path: str) -> tuple[int, int] | None:
-        block, _, name = path.rpartition(".switch_mlp.")
+        block, _, name = path.rpartition(f".{stacked_block}.")
         return base.weight_shape(f"{block}.experts.0.{stacked_disk[name]}.weight") if name in stacked_disk else None
 
     filled = 0

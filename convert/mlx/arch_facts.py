@@ -168,6 +168,7 @@ class MlxArch:
     # mixture of experts: mlx-lm stacks a layer's experts into ``<block>.switch_mlp.<name>`` (disk projection ->
     # name), and some models quantize modules their own way (``quant_predicate``: module path -> params)
     switch_mlp: tuple[tuple[str, str], ...] = ()
+    switch_block: str = "switch_mlp"  # the stacked experts' module under the block (gpt-oss: "experts")
     quant_predicate: Callable[[str], dict | None] | None = None
     notes: tuple[str, ...] = ()
     # the class whose fields are the config keys it reads ("module.Class" under mlx_lm.models; "": the model

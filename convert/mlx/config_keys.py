@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..config_audit import INERT_KEYS, KeyRule, audit, effective_config
+from ..config_audit import INERT_KEYS, KeyRule, audit, effective_config, yarn_untruncated
 from .archs import mlx_arch_for
 
 
@@ -77,8 +77,16 @@ def _short_factors_differ(value, cfg: dict) -> str | None:
             f"({value.get('original_max_position_embeddings', cfg.get('original_max_position_embeddings'))} tokens)")
 
 
+def _rope_differs(value, cfg: dict) -> str | None:
+    """RoPE settings mlx-lm computes otherwise: LongRoPE's short factors; YaRN untruncated (its YarnRoPE rounds the
+    correction range to whole dimensions, transformers' truncate: true)."""
+    if isinstance(value, dict) and value.get("rope_type", value.get("type")) == "yarn" and value.get("truncate") is False:
+        return yarn_untruncated("mlx-lm's YarnRoPE")
+    return _short_factors_differ(value, cfg)
+
+
 # Keys mlx-lm reads, at values it computes differently from transformers.
-CHECKED = {"rope_scaling": _short_factors_differ, "rope_parameters": _short_factors_differ}
+CHECKED = {"rope_scaling": _rope_differs, "rope_parameters": _rope_differs}
 
 
 @functools.lru_cache(maxsize=32)
@@ -89,7 +97,8 @@ def mlx_config_rules(model_type: str) -> dict[str, KeyRule]:
     rules.update({k: KeyRule("carried", f"read by mlx-lm's {module}.ModelArgs") for k in mlx_read_fields(model_type)})
     for key, check in CHECKED.items():
         if key in rules:
-            rules[key] = KeyRule(rules[key].how, rules[key].what + "; LongRoPE only with equal short and long factors",
+            rules[key] = KeyRule(rules[key].how, rules[key].what + "; LongRoPE only with equal short and long factors, "
+                                 "YaRN only truncated",
                                  check)
     return rules
 

@@ -73,7 +73,8 @@ class _Layout:
         self.sources: list[TensorMeta] = []
         self.specs: list[TensorMeta] = []
         self.quantized: dict[str, dict] = {}  # module -> params
-        self.stacked: dict[str, tuple[str, int, int]] = {}  # expert tensor -> (switch_mlp module, index, count)
+        # expert tensor -> (stacked tensor, its module, index, count)
+        self.stacked: dict[str, tuple[str, str, int, int]] = {}
         lm_head = f"{plan.base.arch.lm_head}.weight"
         groups = expert_groups(plan.base.arch, plan.base.config, [s.name for s in plan.specs])
         switch = dict(march.switch_mlp)
@@ -84,11 +85,14 @@ class _Layout:
             self.sources.append(spec)
             if (group := groups.get(spec.name)) is not None:
                 block, proj, order = group
-                module = f"{block}.switch_mlp.{switch[proj]}"
-                self.stacked[spec.name] = (module, order.index(spec.name), len(order))
-                arrived[module] = arrived.get(module, 0) + 1
-                if arrived[module] == len(order):  # planned where it is written: after its last expert
-                    self._add(module, (len(order), *spec.shape), spec.dtype)
+                proj, _, suffix = proj.partition(".")  # "gate_proj", or "gate_proj.bias" (gpt-oss)
+                module = f"{block}.{march.switch_block}.{switch[proj]}"
+                name = f"{module}.{suffix or 'weight'}"
+                self.stacked[spec.name] = (name, module, order.index(spec.name), len(order))
+                arrived[name] = arrived.get(name, 0) + 1
+                if arrived[name] == len(order):  # planned where it is written: after its last expert
+                    self._add(name.removesuffix(".weight") if not suffix else name, (len(order), *spec.shape),
+                              spec.dtype, weight=not suffix)
                 continue
             self._add(spec.name.removesuffix(".weight") if spec.name.endswith(".weight") else spec.name,
                       spec.shape, spec.dtype, weight=spec.name.endswith(".weight"))
@@ -128,12 +132,13 @@ def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_sh
         if t.dtype.is_floating_point:
             t = t.to(layout.dtype)
         if (stacked := layout.stacked.get(spec.name)) is not None:
-            module, index, count = stacked
-            experts = pending.setdefault(module, {})
+            name, module, index, count = stacked
+            experts = pending.setdefault(name, {})
             experts[index] = t
             if len(experts) == count:
-                del pending[module]
-                yield from emit(module, f"{module}.weight", torch.stack([experts[e] for e in range(count)]))
+                del pending[name]
+                t = torch.stack([experts[e] for e in range(count)])
+                yield from (emit(module, name, t) if name.endswith(".weight") else [(name, t)])
             return
         yield from emit(spec.name.removesuffix(".weight"), spec.name, t)
 

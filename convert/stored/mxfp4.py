@@ -33,3 +33,22 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
         part[:, 1::2] = lut[(blk >> 4).long()]
         out[r0:r0 + len(blk)] = torch.ldexp(part, exps[r0:r0 + len(blk)]).to(dtype)
     return out.reshape(*prefix, groups * width * 2)
+
+
+def encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [..., 32 G]`` as MXFP4 ``(blocks [..., G, 16], scales [..., G])``: each block's scale the power of
+    two that puts its largest magnitude in [4, 8) (as ggml's reference quantizer picks it), each value the nearest
+    E2M1 code (clipped at ±6). ``decode`` of the result is what a checkpoint stored this way holds."""
+    *prefix, n = values.shape
+    if n % 32:
+        raise ValueError(f"MXFP4 packs rows of a multiple of 32 values, not {n}")
+    x = values.float().reshape(-1, n // 32, 32)
+    amax = x.abs().amax(-1)
+    exps = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-30))) - 2, torch.zeros_like(amax))
+    exps = exps.clamp(-SCALE_BIAS, 255 - SCALE_BIAS)
+    scaled = x / torch.ldexp(torch.ones_like(amax), exps.int())[..., None]
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # the first of equals: +0 before -0
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return (blocks.reshape(*prefix, n // 32, 16).contiguous(),
+            (exps + SCALE_BIAS).to(torch.uint8).reshape(*prefix, n // 32).contiguous())

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from tuneport.convert.arch.exaone4 import WINDOW_DEPTH
+from tuneport.convert.stored.mxfp4 import decode as decode_mxfp4
+from tuneport.convert.stored.mxfp4 import encode as encode_mxfp4
 
 from .models import QWEN3_5_VISION, TINY_ARCHS, _write_image_processor
 from .tokenizers import TOKENIZER_WRITERS
@@ -117,6 +119,26 @@ def _shrink_rope_factors(cfg: dict) -> None:
                 rope[factors] = rope[factors][:pairs]
 
 
+def _store_experts_as_mxfp4(out: Path) -> None:
+    """Rewrite the saved fused expert weights ([E, in, out]) as gpt-oss's checkpoints hold them: MXFP4 ``_blocks``
+    and ``_scales`` over [E, out, in] (exact: the values were made MXFP4 numbers before saving)."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = encode_mxfp4(tensors.pop(name).transpose(1, 2))
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            if index is not None:
+                del index["weight_map"][name]
+                index["weight_map"].update({f"{name}_blocks": shard.name, f"{name}_scales": shard.name})
+        save_file(tensors, shard, metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2))
+
+
 def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
     """Write a tiny HF model directory whose ``config.json`` is ``real_config`` shrunk (see the module doc)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -144,7 +166,9 @@ def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
             cfg["torch_dtype"] = "float32"
     else:
         cfg = shrink_text_config(real_config, len(tok), ids)
-    config = type(AutoConfig.for_model(model_type)).from_dict(copy.deepcopy(cfg))
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"  # gpt-oss as released
+    config = type(AutoConfig.for_model(model_type)).from_dict(
+        {k: v for k, v in copy.deepcopy(cfg).items() if not (mxfp4 and k == "quantization_config")})
     torch.manual_seed(seed)
     # the class the config names (a multimodal Qwen3.5, whose config AutoModelForCausalLM builds the text model of)
     import transformers
@@ -160,7 +184,12 @@ def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
                 p.copy_(0.05 * torch.randn_like(p))
             elif p.dim() == 2 and "vision" not in name:
                 p.normal_(0.0, 0.08)  # as the tiny bases: logits that differ visibly between tokens
+            if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.08)
+                p.copy_(decode_mxfp4(*encode_mxfp4(p.transpose(1, 2))).transpose(1, 2))  # values MXFP4 holds
     model.save_pretrained(out, max_shard_size="400KB")
+    if mxfp4:
+        _store_experts_as_mxfp4(out)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")  # the user's keys, not the ones saved
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=False,
                      max_new_tokens=32).save_pretrained(out)
