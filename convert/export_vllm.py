@@ -27,6 +27,7 @@ from .options import ExportOptions, ExportResult, model_name
 from .vllm_rules import (
     Preflight,
     float16_refusal,
+    vllm_config_refusal,
     preflight,
     preflight_message,
     round_lora_rank,
@@ -145,6 +146,8 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
     served = model_name(ckpt.spec)
     vllm_dtype = VLLM_DTYPES.get(opts.dtype)
     if vllm_dtype == "float16" and (refused := float16_refusal(ckpt.model_type, "--target vllm --dtype fp16")):
+        raise refused
+    if refused := vllm_config_refusal(ckpt.config):
         raise refused
     serve_note = f"serve it with: {opts.out / LAUNCH_SH}"
     if opts.adapter_mode == "merge":

@@ -61,6 +61,32 @@ def llama_4_scaling(config: dict) -> dict:
 VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling}
 
 
+def gpt_oss_fixed(config: dict) -> str | None:
+    """What vLLM 0.32's GptOssForCausalLM hard-codes instead of reading config.json: RMSNorm eps 1e-5, a sliding
+    window on the even layers (layer_types unread), SwiGLU alpha 1.702 and limit 7.0."""
+    eps = config.get("rms_norm_eps", 1e-5)
+    types = config.get("layer_types")
+    if eps != 1e-5:
+        return f"vLLM's gpt-oss uses RMSNorm eps 1e-5 whatever config.json says (this model: {eps})"
+    if types and list(types) != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))]:
+        return "vLLM's gpt-oss puts the sliding window on the even layers whatever layer_types says"
+    if (config.get("swiglu_limit", 7.0), config.get("swiglu_alpha", 1.702)) != (7.0, 1.702):
+        return "vLLM's gpt-oss hard-codes SwiGLU alpha 1.702 and limit 7.0"
+    return None
+
+
+# model_type -> why vLLM would compute otherwise than transformers with this config.json (None: it does not)
+VLLM_CONFIG_CHECKS = {"gpt_oss": gpt_oss_fixed}
+
+
+def vllm_config_refusal(config: dict) -> UserError | None:
+    """The error for a config.json vLLM runs with values of its own, or None."""
+    check = VLLM_CONFIG_CHECKS.get(str(config.get("model_type")))
+    if check is None or (why := check(config)) is None:
+        return None
+    return UserError(f"--target vllm: {why}", "export for llama.cpp or mlx-lm (--target gguf / mlx), which read it")
+
+
 def native_architectures(config: dict) -> dict:
     """A checkpoint saved for its remote code (ERNIE 4.5's ``Ernie4_5_ForCausalLM`` and ``auto_map``, as ModelScope
     ships it) names a class vLLM has not registered; transformers runs its model_type natively, and so does vLLM

@@ -39,6 +39,8 @@ MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
 PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 32 for i in range(16)],
                  "long_factor": [1.0 + i for i in range(16)]}
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": True, "original_max_position_embeddings": 8}
 CASES = [
     Case("llama", "rms_norm_eps", {"rms_norm_eps": 1e-2}, "parity"),
     Case("llama", "tie_word_embeddings", {"tie_word_embeddings": True}, "parity"),
@@ -136,6 +138,19 @@ CASES = [
     Case("qwen3_5_text", "attention_bias", {"attention_bias": True}, "refused: no such biases"),
     Case("qwen3_5_moe_text", "moe_intermediate_size", {"moe_intermediate_size": 96}, "parity"),
     Case("qwen3_5_moe_text", "shared_expert_intermediate_size", {"shared_expert_intermediate_size": 96}, "parity"),
+    # gpt-oss: its window on any layers (one flag a layer), another window and original context; what llama.cpp
+    # hard-codes (SwiGLU clamp, attention output biases, YaRN rounded) refused
+    Case("gpt_oss", "layer_types", {"layer_types": ["full_attention", "sliding_attention"]}, "parity"),
+    Case("gpt_oss", "sliding_window", {"sliding_window": 4}, "parity"),
+    Case("gpt_oss", "original_max_position_embeddings", {"rope_parameters": {**GPT_OSS_ROPE,
+                                                         "original_max_position_embeddings": 4}}, "parity"),
+    Case("gpt_oss", "rope_parameters", {"rope_parameters": {**GPT_OSS_ROPE, "truncate": False}},
+         "refused: YaRN with truncate: false, which llama.cpp cannot express"),
+    Case("gpt_oss", "partial_rotary_factor", {}, "refused: rotates the whole head",
+         config_patch={"partial_rotary_factor": 0.5}),
+    Case("gpt_oss", "swiglu_limit", {"swiglu_limit": 5.0}, "refused: hard-codes alpha 1.702 and limit 7.0"),
+    Case("gpt_oss", "swiglu_alpha", {"swiglu_alpha": 1.5}, "refused: hard-codes alpha 1.702 and limit 7.0"),
+    Case("gpt_oss", "attention_bias", {"attention_bias": False}, "refused: requires attention output biases"),
     Case("granite", "mlp_bias", {"mlp_bias": True}, "refused: no such biases"),
     Case("granite", "embedding_multiplier", {"embedding_multiplier": 7.0}, "parity"),
     Case("granite", "residual_multiplier", {"residual_multiplier": 0.2}, "parity"),

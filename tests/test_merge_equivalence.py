@@ -40,7 +40,9 @@ MOE_UNREFERENCED = {("qwen2_moe", "per_expert"): "PEFT 0.21 drops a per-expert a
                     "(its target names match the shared expert first)",
                     # the same shared-expert names; and Qwen3.5 came after transformers 4, so no such adapter exists
                     **{(a, "per_expert"): "PEFT 0.21 drops a per-expert adapter's expert weights on Qwen3.5-MoE (its "
-                       "target names match the shared expert first)" for a in ("qwen3_5_moe_text", "qwen3_5_moe")}}
+                       "target names match the shared expert first)" for a in ("qwen3_5_moe_text", "qwen3_5_moe")},
+                    ("gpt_oss", "per_expert"): "gpt-oss came out with its experts fused (transformers 4.55 too): no "
+                                               "per-expert adapter of it exists"}
 
 
 def moe_cases(archs: list[str], variants=tuple(MOE_VARIANTS)) -> list:

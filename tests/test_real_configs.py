@@ -45,7 +45,6 @@ QUANTIZED = "is quantized"
 REFUSED: dict[tuple[str, str], str] = {
     ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
                                                "length",
-    ("unsloth--gpt-oss-20b-merged", "mlx"): "not built yet",
     ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
     ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",
     **{(name, t): QUANTIZED for name in ("axolotl--llama2-7b-qlora", "peft--tinyllama-merged-keeps-bnb-quant",
@@ -55,12 +54,12 @@ REFUSED: dict[tuple[str, str], str] = {
 OUTCOMES: dict[tuple[str, str], str] = {}
 # Where a real config exports only with a key accepted (--accept-config-key): (the flag, the config llama.cpp computes
 # with instead). gpt-oss's YaRN is untruncated, which llama.cpp cannot express (convert/gguf/config_rules.py:
-# YARN_UNTRUNCATED): the GGUF is held to transformers computing with truncate: true (1e-4), and its distance from the
-# real config's transformers is measured and printed (4.4e-3 over the tests' 16 positions, growing with the position)
+# YARN_UNTRUNCATED), nor mlx-lm's YarnRoPE: the GGUF and the MLX model are held to transformers computing with truncate:
+# true (1e-4), and their distance from the real config's transformers is measured and printed (6e-3 over the tests'
+# 16 positions, growing with the position)
 ACCEPTED_KEYS: dict[tuple[str, str], tuple[list[str], dict]] = {
-    ("unsloth--gpt-oss-20b-merged", "gguf"): (["--accept-config-key", "rope_parameters"],
-                                              {"rope_scaling": {"truncate": True}}),
-}
+    ("unsloth--gpt-oss-20b-merged", t): (["--accept-config-key", "rope_parameters"], {"rope_scaling": {"truncate": True}})
+    for t in ("gguf", "mlx")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -259,7 +258,8 @@ def test_flipping_a_key_of_a_real_config_changes_the_verdict_as_it_should(name, 
 
 
 def _vllm_cases() -> list[str]:
-    """One real config per model_type vLLM serves (the first in file order), and Phi-4-mini's LongRoPE."""
+    """One real config per model_type vLLM serves (the first in file order), Phi-4-mini's LongRoPE, and Unsloth's
+    gpt-oss (its MXFP4 experts read, the adapter merged: a mixture of experts)."""
     from tuneport.convert.support_matrix import supported
 
     chosen: dict[str, str] = {}
@@ -267,7 +267,7 @@ def _vllm_cases() -> list[str]:
         model_type = json.loads(path.read_text())["model_type"]
         if model_type in supported("vllm") and not any((name, t) in REFUSED for t in ("merge", "gguf")):
             chosen.setdefault(model_type, name)
-    return sorted({*chosen.values(), "microsoft--Phi-4-mini-instruct"})
+    return sorted({*chosen.values(), "microsoft--Phi-4-mini-instruct", "unsloth--gpt-oss-20b-merged"})
 
 
 @pytest.mark.slow

@@ -59,3 +59,25 @@ def test_vllm_is_given_what_it_reads_to_compute_as_transformers():
     args = VllmLaunch("m", "m", 16, 1, 1, hf_overrides=updates).args()
     assert json.loads(args[args.index("--hf-overrides") + 1]) == updates
     assert "--hf-overrides" not in VllmLaunch("m", "m", 16, 1, 1).args()
+
+
+@pytest.mark.parametrize(("patch", "why"), [
+    ({"rms_norm_eps": 1e-6}, "RMSNorm eps 1e-5 whatever config.json says"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding window on the even layers"),
+    ({"swiglu_limit": 5.0}, "hard-codes SwiGLU alpha 1.702 and limit 7.0"),
+])
+def test_what_vllm_hard_codes_for_gpt_oss_is_refused(zoo, tmp_path, cli, patch, why):
+    """vLLM's GptOssForCausalLM reads neither rms_norm_eps, layer_types nor the SwiGLU clamp from config.json: a
+    model that sets them otherwise than vLLM's constants is refused for --target vllm (exit 2, nothing written)."""
+    import json
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in zoo.base("gpt_oss").iterdir():
+        (base / f.name).symlink_to(f)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").unlink()
+    (base / "config.json").write_text(json.dumps({**cfg, **patch}))
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", out)
+    assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err

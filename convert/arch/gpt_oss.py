@@ -5,7 +5,7 @@ whose experts carry biases and a clamped SwiGLU (``(clamp(up, ±7) + 1) · g · 
 
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, SLIDING, GGUFArch
-from ..gguf.config_rules import COMMON, MOE, attention_layer_types
+from ..gguf.config_rules import COMMON, MOE, YARN_READS, attention_layer_types
 from ..mlx.arch_facts import MlxArch, rope_top_level
 from .spec import ATTENTION_LINEARS, ArchSpec, ExpertLayout
 
@@ -26,7 +26,7 @@ ARCH = ArchSpec(
            "MXFP4 experts read exactly as the bfloat16 values they decode to"),
     gguf=GGUFArch(COMMON_HPARAMS + SLIDING + EXPERTS + (("expert_feed_forward_length", ("intermediate_size",), "u32"),),
                   {
-        **COMMON, **MOE,
+        **COMMON, **MOE, **YARN_READS,
         "sliding_window": KeyRule("carried", "attention.sliding_window"),
         "layer_types": KeyRule("carried", "attention.sliding_window_pattern (one flag per layer)",
                                attention_layer_types),
@@ -46,5 +46,7 @@ ARCH = ArchSpec(
                              "attention_bias": KeyRule("refused unless", "true", must_be(
                                  True, why="mlx-lm's gpt_oss always adds attention biases"))},
                 notes=("experts stacked into mlx-lm's SwitchGLU (mlp.experts), biases included",)),
-    refusals={"vllm": "not built yet", "awq": "not built yet", "exl3": "not built yet"},
+    refusals={"awq": "tuneport's AWQ pass has no scale groups for gpt-oss's fused, biased experts yet",
+              "exl3": "not built yet: exllamav3's gpt_oss reads the experts fused as transformers holds them (gate "
+                      "and up interleaved), tuneport's EXL3 writer quantizes one linear per expert (CUDA only)"},
 )

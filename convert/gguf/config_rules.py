@@ -118,6 +118,14 @@ LLAMA_ROPE = {
     "rope_scaling": KeyRule("carried", "as rope_parameters", rope_check(*ROPE_TYPES, "llama3")),
 }
 
+# what transformers' YaRN reads beside rope_parameters, for a graph that rotates the whole head
+YARN_READS = {
+    "partial_rotary_factor": KeyRule("refused unless", "1", must_be(1, 1.0, None, why="llama.cpp rotates the whole "
+                                                                    "head (rope.dimension_count = head size)")),
+    "original_max_position_embeddings": KeyRule("carried", "rope.scaling.original_context_length"),
+    "default_rope_type": KeyRule("inert", "the config class's own default, not a config.json key"),
+}
+
 NO_BIASES = {k: KeyRule("refused unless", "false", must_be(False, None, why="llama.cpp's graph for it has no "
                                                               "such biases")) for k in ("attention_bias", "mlp_bias")}
 

@@ -142,8 +142,12 @@ class GGUFModelPlan:
 
 def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[int, ...]]],
                     direct_type: str) -> GGUFModelPlan:
-    """Name, type and transform of every tensor; ``direct_type`` is F32, F16, BF16 or Q8_0."""
+    """Name, type and transform of every tensor; ``direct_type`` is F32, F16, BF16, Q8_0 or MXFP4_MOE (llama.cpp's
+    MXFP4_MOE: stacked experts MXFP4, as gpt-oss ships them, the other matrices Q8_0)."""
     import gguf
+
+    expert_type = "MXFP4" if direct_type == "MXFP4_MOE" else direct_type
+    direct_type = "Q8_0" if direct_type == "MXFP4_MOE" else direct_type
 
     garch = gguf_arch_for(arch)
     n_layers = int(config["num_hidden_layers"])
@@ -161,7 +165,7 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             if stacked[1][0] == name:
                 gname = tmap.get_name(stacked[0], try_suffixes=(".weight", ".bias"))
                 qtype = ("F32" if name.endswith(".bias") else
-                         "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type)
+                         "F16" if expert_type in ("Q8_0", "MXFP4") and shape[-1] % 32 else expert_type)
                 plan.tensors.append(TensorPlan(name, gname, (len(stacked[1]), *shape), qtype, None, stacked[1]))
             continue
         mapped = linear_attention.source_name(name) if garch.delta_net else name

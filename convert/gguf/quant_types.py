@@ -22,6 +22,10 @@ QUANT_TYPES: dict[str, QuantType] = {q.name: q for q in [
     QuantType("f16", "F16", 1, direct="F16"),
     QuantType("bf16", "BF16", 32, direct="BF16"),
     QuantType("q8_0", "Q8_0", 7, direct="Q8_0"),
+    # llama.cpp's MXFP4_MOE (gpt-oss as released): stacked experts MXFP4 (E2M1 in blocks of 32 with a power-of-two
+    # scale), the other matrices Q8_0. Experts read from MXFP4 keep their values exactly (ggml's quantizer gives a
+    # block of MXFP4 numbers back unchanged), so a released gpt-oss converts without a 16-bit copy
+    QuantType("mxfp4_moe", "MXFP4_MOE", 38, direct="MXFP4_MOE"),
     QuantType("q4_0", "Q4_0", 2),
     QuantType("q4_1", "Q4_1", 3),
     QuantType("q5_0", "Q5_0", 8),

@@ -101,10 +101,12 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("moe_intermediate_size", 64), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
         ("mlp_only_layers", []))),
     # gpt-oss-20b's choices in 2 layers (sliding, full; window 8, shorter than the tests' sequences): 4 experts, 2
-    # per token, biased attention with sinks, YaRN factor 32 over an original context of 8 positions. truncate true
+    # per token, biased attention with sinks, YaRN factor 32 over an original context of 8 positions, RMSNorm eps
+    # 1e-5 (vLLM's gpt-oss hard-codes it). truncate true
     # (llama.cpp's rounding): the released truncate false is refused for GGUF (accepted in test_real_configs)
     "gpt_oss": TinyArch("gpt_oss", "GptOssConfig", "bpe", (
         ("head_dim", 32), ("num_local_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 64),
+        ("rms_norm_eps", 1e-5),
         ("sliding_window", 8), ("layer_types", ["sliding_attention", "full_attention"]),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 8}))),
