@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tuneport.convert.stored.methods import storage_method
-from tuneport.convert.stored.mxfp4 import decode, decoded_shape
+from tuneport.convert.stored.mxfp4 import decode, decoded_shape, encode
 
 STORED = Path(__file__).resolve().parents[1] / "convert" / "stored"
 
@@ -29,6 +29,18 @@ def test_mxfp4_decodes_as_transformers_dequantizes_gpt_oss_experts():
     for dtype in (torch.float32, torch.bfloat16):
         ref = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
         assert torch.equal(decode(blocks, scales, dtype).transpose(1, 2), ref)
+
+
+def test_mxfp4_encodes_as_ggml_quantizes_and_keeps_mxfp4_numbers():
+    """encode (what the tiny MXFP4 checkpoints are written with) gives the values ggml's reference quantizer gives
+    (gguf-py's MXFP4), and MXFP4 numbers come back unchanged."""
+    import gguf
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.1
+    ours = decode(*encode(x))
+    kind = gguf.GGMLQuantizationType.MXFP4
+    assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), kind), kind)))
+    assert torch.equal(decode(*encode(ours)), ours)
 
 
 def test_mxfp4_refuses_blocks_that_do_not_fit_their_scales():
