@@ -127,7 +127,7 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
         if transposed:  # delta = (B_e A_e)ᵀ = A_eᵀ B_eᵀ: a LoRA with A' = B_eᵀ, B' = A_eᵀ
             a, b = b.T.contiguous(), a.T.contiguous()
         halves = (b[0::2], b[1::2]) if layout.interleaved_in_out else (b[:inter], b[inter:])
-        parts = dict(zip((layout.gate, layout.up), halves)) if fused == "gate_up_proj" else {layout.down: b}
+        parts = ({layout.gate: halves[0], layout.up: halves[1]} if fused == "gate_up_proj" else {layout.down: b})
         out += [LoraModule(f"{disk}.experts.{e}.{proj}", "linear", a, part.contiguous(), rank, alpha, scale)
                 for proj, part in parts.items()]
     return out

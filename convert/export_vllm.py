@@ -27,10 +27,10 @@ from .options import ExportOptions, ExportResult, model_name
 from .vllm_rules import (
     Preflight,
     float16_refusal,
-    vllm_config_refusal,
     preflight,
     preflight_message,
     round_lora_rank,
+    vllm_config_refusal,
     vllm_config_updates,
 )
 

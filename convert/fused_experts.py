@@ -72,7 +72,8 @@ def fused_views(arch: ArchSpec | None, shapes: dict[str, tuple[int, ...]]) -> Fu
 def _interleaved_views(layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> FusedViews:
     """gpt-oss's fused experts (weights, biases, MXFP4 blocks) as one tensor per expert, gate and up apart; the
     MXFP4 scales are read with their blocks (no name of their own)."""
-    fused = re.compile(rf"^(.*\.\d+)\.{layout.memory_block}\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+    fused = re.compile(
+        rf"^(.*\.\d+)\.{layout.memory_block}\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
     out: FusedViews = {}
     for name, shape in shapes.items():
         if (m := fused.match(name)) is None:

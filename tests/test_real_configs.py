@@ -58,8 +58,8 @@ OUTCOMES: dict[tuple[str, str], str] = {}
 # true (1e-4), and their distance from the real config's transformers is measured and printed (6e-3 over the tests'
 # 16 positions, growing with the position)
 ACCEPTED_KEYS: dict[tuple[str, str], tuple[list[str], dict]] = {
-    ("unsloth--gpt-oss-20b-merged", t): (["--accept-config-key", "rope_parameters"], {"rope_scaling": {"truncate": True}})
-    for t in ("gguf", "mlx")}
+    ("unsloth--gpt-oss-20b-merged", t): (["--accept-config-key", "rope_parameters"],
+                                         {"rope_scaling": {"truncate": True}}) for t in ("gguf", "mlx")}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -69,7 +69,8 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
         raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
     garch = gguf_arch_for(arch)  # refuses an architecture without a GGUF table entry
     cfg = base.config
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper().replace("-", "_")], int(cfg["num_hidden_layers"]))
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper().replace("-", "_")],
+                                    int(cfg["num_hidden_layers"]))
     ranks = {m.rank for m in adapter.modules.values()}
     acfg = adapter.config
     uniform = not (acfg.get("rank_pattern") or acfg.get("alpha_pattern")) and len(ranks) == 1

@@ -80,7 +80,8 @@ def _short_factors_differ(value, cfg: dict) -> str | None:
 def _rope_differs(value, cfg: dict) -> str | None:
     """RoPE settings mlx-lm computes otherwise: LongRoPE's short factors; YaRN untruncated (its YarnRoPE rounds the
     correction range to whole dimensions, transformers' truncate: true)."""
-    if isinstance(value, dict) and value.get("rope_type", value.get("type")) == "yarn" and value.get("truncate") is False:
+    yarn = isinstance(value, dict) and value.get("rope_type", value.get("type")) == "yarn"
+    if yarn and value.get("truncate") is False:
         return yarn_untruncated("mlx-lm's YarnRoPE")
     return _short_factors_differ(value, cfg)
 
