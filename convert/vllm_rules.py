@@ -57,8 +57,14 @@ def llama_4_scaling(config: dict) -> dict:
                                 rp.get("original_max_position_embeddings") or config["max_position_embeddings"]}}
 
 
+def lfm2_dims(config: dict) -> dict:
+    """vLLM 0.32's Lfm2ForCausalLM reads ``block_dim`` (the MLP's input) and ``conv_dim`` (the convolution's width),
+    which transformers never writes: both the hidden size."""
+    return {k: config["hidden_size"] for k in ("block_dim", "conv_dim") if k not in config}
+
+
 # model_type -> the config.json keys vLLM needs to compute what transformers computes (added beside the others)
-VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling}
+VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling, "lfm2": lfm2_dims}
 
 
 def gpt_oss_fixed(config: dict) -> str | None:
@@ -75,8 +81,19 @@ def gpt_oss_fixed(config: dict) -> str | None:
     return None
 
 
+def lfm2_fixed(config: dict) -> str | None:
+    """vLLM 0.32's Lfm2ForCausalLM always ties the output projection to the embeddings and sizes its heads at
+    hidden / heads."""
+    if config.get("tie_word_embeddings", True) is False:
+        return "vLLM's LFM2 always projects the output with the embeddings (this model has its own lm_head)"
+    heads, head_dim = int(config["num_attention_heads"]), config.get("head_dim")
+    if head_dim is not None and head_dim * heads != int(config["hidden_size"]):
+        return f"vLLM's LFM2 sizes its heads at hidden_size / num_attention_heads, not head_dim {head_dim}"
+    return None
+
+
 # model_type -> why vLLM would compute otherwise than transformers with this config.json (None: it does not)
-VLLM_CONFIG_CHECKS = {"gpt_oss": gpt_oss_fixed}
+VLLM_CONFIG_CHECKS = {"gpt_oss": gpt_oss_fixed, "lfm2": lfm2_fixed}
 
 
 def vllm_config_refusal(config: dict) -> UserError | None:

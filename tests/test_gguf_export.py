@@ -142,7 +142,8 @@ def _lora_cases() -> list:
 
     from tuneport.toolkit.tiny import TINY_ARCHS
 
-    refused = {("gemma2", "embedding"): "embedding LoRA over tied embeddings (Gemma 2 is always tied)"}
+    refused = {(a, "embedding"): f"embedding LoRA over tied embeddings ({a} is always tied)"
+               for a in ("gemma2", "lfm2")}
     cases = []
     for a in supported("gguf"):
         for v in LORA_VARIANTS:

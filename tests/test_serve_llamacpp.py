@@ -402,13 +402,13 @@ def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_pa
     _mixed_traffic_answers_like_peft(base, adapters, by_adapter=True)
 
 
-def test_hybrid_linear_attention_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch):
-    """Qwen3.5 (Gated DeltaNet layers with a recurrent state per sequence, which llama.cpp cannot trim): an HF base
-    and PEFT adapters on the attention and on every linear (the linear layers' projections too), mixed with base
-    traffic at concurrency 4 and two contexts, twice over (the second round meets cached prompts): every answer is
-    PEFT's (transformers') greedy tokens."""
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+def test_hybrid_linear_attention_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch, arch):
+    """Qwen3.5 (Gated DeltaNet layers) and LFM2 (short convolutions), with a recurrent state per sequence that
+    llama.cpp cannot trim: an HF base and PEFT adapters on the attention and on every linear (the recurrent layers'
+    projections too), mixed with base traffic at concurrency 4 and two contexts, twice over (the second round meets
+    cached prompts): every answer is PEFT's (transformers') greedy tokens."""
     monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
-    arch = "qwen3_5_text"
     base = zoo.base(arch)
     adapters = {"attention": zoo.adapter(arch, "plain"), "all": zoo.adapter(arch, "all_linear")}
     _mixed_traffic_answers_like_peft(base, adapters, by_adapter=False)

@@ -386,16 +386,17 @@ def test_expert_lora_batched_over_stacked_experts_matches_mlx_lm(zoo, tmp_path, 
     assert not bad, bad[:2]
 
 
-def test_hybrid_linear_attention_mixed_adapters_match_mlx_lm_alone(zoo, tmp_path):
-    """Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per sequence): the base and adapters on
-    the attention and on every linear, prompts of different lengths at concurrency 6 through the gateway; every
-    answer equals mlx-lm's with only that adapter."""
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+def test_hybrid_linear_attention_mixed_adapters_match_mlx_lm_alone(zoo, tmp_path, arch):
+    """Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per sequence) and LFM2 (short
+    convolutions): the base and adapters on the attention and on every linear, prompts of different lengths at
+    concurrency 6 through the gateway; every answer equals mlx-lm's with only that adapter."""
     from tuneport.convert.adapter import load_adapter
     from tuneport.convert.checkpoint import Checkpoint
     from tuneport.convert.mlx.adapters import mlx_adapter, write_mlx_adapter
     from tuneport.serve.backends.mlx import cached_mlx
 
-    base = zoo.base("qwen3_5_text")
+    base = zoo.base(arch)
     names = [None, "plain", "all_linear"]
     mlx_dir = cached_mlx(base, "auto")
     want = {}
@@ -403,12 +404,12 @@ def test_hybrid_linear_attention_mixed_adapters_match_mlx_lm_alone(zoo, tmp_path
         adapter = None
         if name:
             adapter = tmp_path / name
-            write_mlx_adapter(mlx_adapter(load_adapter(zoo.adapter("qwen3_5_text", name)), Checkpoint(base)), adapter)
+            write_mlx_adapter(mlx_adapter(load_adapter(zoo.adapter(arch, name)), Checkpoint(base)), adapter)
         for i, toks in enumerate(mlx_lm_greedy(mlx_dir, adapter, PROMPTS, N)):
             want[(name, i)] = toks
     assert len({tuple(want[(n, 0)]) for n in names}) == len(names)  # each adapter changes the answer
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in names] * 2
-    with tuneport.serve(base=base, adapters={n: str(zoo.adapter("qwen3_5_text", n)) for n in names[1:]},
+    with tuneport.serve(base=base, adapters={n: str(zoo.adapter(arch, n)) for n in names[1:]},
                         engine="mlx", port=0, n_ctx=64) as server:
         c = httpx.Client(base_url=server.url, timeout=120)
         with ThreadPoolExecutor(6) as ex:

@@ -35,7 +35,7 @@ ARCH = ArchSpec(
             True, why="llama.cpp's gpt-oss graph requires attention output biases")),
         "swiglu_limit": KeyRule("refused unless", "7.0", must_be(7.0, 7, why=SWIGLU)),
         "swiglu_alpha": KeyRule("refused unless", "1.702", must_be(1.702, why=SWIGLU)),
-    }, write_swa_pattern=True),
+    }, write_swa_pattern=True, weight_suffixed=("attn_sinks",)),
     # mlx-lm's gpt_oss: experts stacked into SwitchGLU ``mlp.experts`` (biases too), the router at 8 bits
     mlx=MlxArch("gpt_oss", (rope_top_level,), switch_mlp=(("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
                                                           ("down_proj", "down_proj")),

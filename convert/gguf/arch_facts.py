@@ -4,7 +4,7 @@ architecture's entry (``convert.arch.<model_type>``) holds one ``GGUFArch``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -47,6 +47,14 @@ class GGUFArch:
     # (``gguf.linear_attention``)
     delta_net: bool = False
     dropped_prefixes: tuple[str, ...] = ()  # checkpoint tensors llama.cpp's graph does not load (an MTP head)
+    # bare parameters (GGUF names without a suffix) llama.cpp loads as ``<name>.weight`` (gpt-oss's ``attn_sinks``)
+    weight_suffixed: tuple[str, ...] = ()
+    # checkpoint tensors (name suffixes) stored with a unit middle dimension llama.cpp drops (LFM2's depthwise conv
+    # [H, 1, L] -> [H, L]), as its converter squeezes them
+    squeezed: tuple[str, ...] = ()
+    # hyperparameters derived from the config rather than copied from one key: config -> {GGUF key suffix: value}
+    # (an int is written u32, a float f32, a list of ints an array of them)
+    derived_hparams: Callable[[dict], dict[str, object]] | None = None
     # GGUF tensors llama.cpp applies no LoRA to (its graph does not go through build_lora_mm): (suffix, why)
     no_lora: tuple[tuple[str, str], ...] = ()
 

@@ -173,8 +173,8 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         if gname is None:
             raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
                             "the checkpoint has weights this architecture does not define")
-        if not gname.endswith((".weight", ".bias")):
-            gname += ".weight"  # a bare parameter (gpt-oss's attention sinks), as llama.cpp's converter names it
+        if gname.endswith(garch.weight_suffixed):
+            gname += ".weight"  # a bare parameter llama.cpp names as a weight (gpt-oss's attention sinks)
         if len(shape) <= 1 or gname.endswith(KEEP_F32 + garch.keep_f32) or not gname.endswith(".weight"):
             qtype = "F32"
         elif direct_type == "Q8_0" and shape[-1] % 32:
@@ -195,6 +195,8 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             transform = lambda t, o=offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
         if garch.delta_net:
             shape = linear_attention.gguf_shape(name, tuple(shape))
+        if name.endswith(garch.squeezed):
+            shape, transform = (shape[0], *shape[2:]), lambda t: t.squeeze(1)  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
     if rp["rope_type"] == "llama3":
@@ -253,6 +255,11 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         writer.add_float32(f"{arch}.attn_logit_softcapping", float(cfg["attn_logit_softcapping"]))
     if garch.delta_net:
         linear_attention.write_hparams(writer, arch, cfg)
+    for suffix, value in (garch.derived_hparams(cfg) if garch.derived_hparams else {}).items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{suffix}", value)
+        else:
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{suffix}", value)
     if garch.write_vocab_size:
         writer.add_uint32(f"{arch}.vocab_size", n_vocab)
     if garch.write_rope_dims:

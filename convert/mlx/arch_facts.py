@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from ..config_audit import KeyRule
 from ..errors import UserError
+from ..layer_kinds import lfm2_layer_kinds
 
 ConfigFix = Callable[[dict], list[str]]  # fills the config in place; returns what it filled (for the manifest)
 
@@ -76,6 +77,29 @@ def gemma3_rope_and_windows(cfg: dict) -> list[str]:
                             "count); export for another engine")
         cfg["sliding_window_pattern"] = pattern
         filled.append("sliding_window_pattern")
+    return filled
+
+
+def lfm2_config(cfg: dict) -> list[str]:
+    """LFM2: mlx-lm requires ``block_dim`` (the MLP's input, the hidden size, which transformers never writes) and
+    takes ``full_attn_idxs`` over ``layer_types`` (transformers the other way round): both written from the layer
+    kinds transformers runs. It reads rope_theta from rope_parameters and applies no RoPE scaling."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise UserError(f"this LFM2 model scales its RoPE ({params}), which mlx-lm's lfm2 does not implement",
+                        "export it for llama.cpp (--target gguf)")
+    filled = []
+    kinds = lfm2_layer_kinds(cfg)
+    attention = [i for i, t in enumerate(kinds) if t == "full_attention"]
+    if cfg.get("layer_types") != kinds:
+        cfg["layer_types"] = kinds
+        filled.append("layer_types")
+    if cfg.get("full_attn_idxs") != attention:
+        cfg["full_attn_idxs"] = attention
+        filled.append("full_attn_idxs")
+    if cfg.get("block_dim") is None:
+        cfg["block_dim"] = cfg["hidden_size"]
+        filled.append("block_dim")
     return filled
 
 

@@ -110,6 +110,11 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("sliding_window", 8), ("layer_types", ["sliding_attention", "full_attention"]),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 8}))),
+    # LFM2-1.2B's pattern in 4 layers (conv, conv, attention, conv), its 3-tap convolution; intermediate_size 384,
+    # which the auto-adjusted MLP makes 256 wide; tied, as every LFM2 (mlx-lm and vLLM only run it tied)
+    "lfm2": TinyArch("lfm2", "Lfm2Config", "bpe", (
+        ("num_hidden_layers", 4), ("intermediate_size", 384),
+        ("layer_types", ["conv", "conv", "full_attention", "conv"])), always_tied=True),
     # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
     "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
         ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),

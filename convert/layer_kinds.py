@@ -1,0 +1,14 @@
+"""Which kind each layer of a model is, as transformers derives it from a config where more than one key can say it
+(read by the architecture entries and by the targets' config fixes alike)."""
+
+from __future__ import annotations
+
+
+def lfm2_layer_kinds(cfg: dict) -> list[str]:
+    """LFM2's layers ("conv" / "full_attention"): ``layer_types``, else ``full_attn_idxs``, else every layer
+    attention (transformers' Lfm2Config)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    attention = cfg.get("full_attn_idxs")
+    n = int(cfg["num_hidden_layers"])
+    return ["full_attention" if attention is None or i in attention else "conv" for i in range(n)]
