@@ -121,8 +121,11 @@ class Scheduler:
             if hit:
                 entry, n = hit
                 lc.llama_memory_seq_cp(cx.mem, entry.seq_id, first.seq_id, 0, n)
-                if self.n_swa and lc.llama_memory_seq_pos_min(cx.mem, first.seq_id) > max(0, n - self.n_swa):
-                    # a sliding-window cache overwrote cells this prefix still needs: start afresh
+                lo, hi = (lc.llama_memory_seq_pos_min(cx.mem, first.seq_id),
+                          lc.llama_memory_seq_pos_max(cx.mem, first.seq_id)) if self.n_swa else (0, n - 1)
+                if lo < 0 or lo > max(0, n - self.n_swa) or hi < n - 1:
+                    # a sliding-window cache dropped cells this prefix still needs (once the cached sequence ran a
+                    # window past the prefix, none of the prefix's last cells is left: the copy is empty): start afresh
                     lc.llama_memory_seq_rm(cx.mem, first.seq_id, -1, -1)
                     cx.cache.stats.hits -= 1
                     cx.cache.stats.hit_tokens -= n
