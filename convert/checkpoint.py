@@ -294,7 +294,7 @@ class Checkpoint:
         rows = self._rows.get(name)
         source = name if rows is None else rows.source
         source = self._stored.get(source, source)
-        if rows is not None and (rows.transposed or rows.step > 1 or rows.scales):
+        if rows is not None and rows.strided:
             return self._read_strided(fname, source, rows)
         if rows is not None and rows.expert >= 0:
             if self.format == "safetensors":
@@ -306,18 +306,17 @@ class Checkpoint:
 
     def _read_strided(self, fname: str, source: str, rows: ExpertRows) -> torch.Tensor:
         """One expert's gate, up or down projection (or bias) of gpt-oss's fused layout; MXFP4 blocks decoded."""
-        def expert_slice(name: str) -> torch.Tensor:
+        def expert_slice(file: str, name: str) -> torch.Tensor:
             if self.format == "safetensors":
-                shape = self._files[fname].tensors[name].shape
-                return self._files[fname].read_rows(name, rows.expert * math.prod(shape[1:]), tuple(shape[1:]))
-            return self._load_pickle(self.path / fname)[name][rows.expert]
+                shape = self._files[file].tensors[name].shape
+                return self._files[file].read_rows(name, rows.expert * math.prod(shape[1:]), tuple(shape[1:]))
+            return self._load_pickle(self.path / file)[name][rows.expert]
 
-        t = expert_slice(source)
+        t = expert_slice(fname, source)
         t = (t.T if rows.transposed else t)[rows.row::rows.step]
-        if rows.scales:
-            fname = self._companions[rows.scales]
-            t = decode_mxfp4(t, expert_slice(self._stored.get(rows.scales, rows.scales))[rows.row::rows.step],
-                             torch.bfloat16)
+        if rows.scales:  # the scales may lie in another shard than their blocks
+            scales = expert_slice(self._companions[rows.scales], self._stored.get(rows.scales, rows.scales))
+            t = decode_mxfp4(t, scales[rows.row::rows.step], torch.bfloat16)
         return t.contiguous()
 
     @property

@@ -34,6 +34,11 @@ class ExpertRows:
     step: int = 1
     scales: str | None = None
 
+    @property
+    def strided(self) -> bool:
+        """Read whole and cut (gpt-oss), not as one contiguous run of rows."""
+        return self.transposed or self.step > 1 or self.scales is not None
+
 
 FusedViews = dict[str, list[tuple[str, tuple[int, ...], ExpertRows]]]
 

@@ -9,8 +9,14 @@ from ..gguf.config_rules import COMMON, MOE, YARN_READS, attention_layer_types
 from ..mlx.arch_facts import MlxArch, rope_top_level
 from .spec import ATTENTION_LINEARS, ArchSpec, ExpertLayout
 
-SWIGLU = "llama.cpp's gpt-oss graph (LLM_FFN_SWIGLU_OAI_MOE) hard-codes alpha 1.702 and limit 7.0"
-MLX_SWIGLU = "mlx-lm's gpt_oss (SwigluOAI) hard-codes alpha 1.702 and limit 7.0"
+
+def swiglu_rules(engine: str) -> dict[str, KeyRule]:
+    """The SwiGLU clamp ``engine`` hard-codes (alpha 1.702, limit 7.0): other values refused."""
+    why = f"{engine} hard-codes alpha 1.702 and limit 7.0"
+    return {"swiglu_limit": KeyRule("refused unless", "7.0", must_be(7.0, 7, why=why)),
+            "swiglu_alpha": KeyRule("refused unless", "1.702", must_be(1.702, why=why))}
+
+
 
 ARCH = ArchSpec(
     "gpt_oss",
@@ -33,16 +39,14 @@ ARCH = ArchSpec(
         "hidden_act": KeyRule("inert", "gpt-oss's experts compute their own clamped SwiGLU, whatever it says"),
         "attention_bias": KeyRule("refused unless", "true", must_be(
             True, why="llama.cpp's gpt-oss graph requires attention output biases")),
-        "swiglu_limit": KeyRule("refused unless", "7.0", must_be(7.0, 7, why=SWIGLU)),
-        "swiglu_alpha": KeyRule("refused unless", "1.702", must_be(1.702, why=SWIGLU)),
+        **swiglu_rules("llama.cpp's gpt-oss graph (LLM_FFN_SWIGLU_OAI_MOE)"),
     }, write_swa_pattern=True, weight_suffixed=("attn_sinks",)),
     # mlx-lm's gpt_oss: experts stacked into SwitchGLU ``mlp.experts`` (biases too), the router at 8 bits
     mlx=MlxArch("gpt_oss", (rope_top_level,), switch_mlp=(("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
                                                           ("down_proj", "down_proj")),
                 switch_block="experts",
                 quant_predicate=lambda path: {"group_size": 64, "bits": 8} if path.endswith("mlp.router") else None,
-                fixed_rules={"swiglu_limit": KeyRule("refused unless", "7.0", must_be(7.0, 7, why=MLX_SWIGLU)),
-                             "swiglu_alpha": KeyRule("refused unless", "1.702", must_be(1.702, why=MLX_SWIGLU)),
+                fixed_rules={**swiglu_rules("mlx-lm's gpt_oss (SwigluOAI)"),
                              "attention_bias": KeyRule("refused unless", "true", must_be(
                                  True, why="mlx-lm's gpt_oss always adds attention biases"))},
                 notes=("experts stacked into mlx-lm's SwitchGLU (mlp.experts), biases included",)),
