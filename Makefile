@@ -17,8 +17,10 @@ TORCHVISION_OPS := tests/env/torchvision_cpu_ops.py
 LLAMA_PATCHES := $(sort $(wildcard toolkit/llama_cpp_patches/*.patch))
 STAMP := $(VENV)/.tuneport-env
 # CI's pytest run has a 30-minute budget on 2 cores: two workers (most tests wait on an engine's process), each
-# test module on one worker (its shared engines and fixtures built once); the slowest tests printed.
-PYTEST_ARGS ?= -n 2 --dist loadscope --durations=25
+# test module on one worker (its shared engines and fixtures built once), in the order tests/conftest.py's
+# LONGEST_FIRST gives (xdist's own reorder, by number of tests, would start the few-test engine modules last and
+# leave one worker idle at the end); the slowest tests printed.
+PYTEST_ARGS ?= -n 2 --dist loadscope --no-loadscope-reorder --durations=25
 
 .PHONY: setup demo test test-fast lint clean llama-wheel
 

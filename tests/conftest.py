@@ -78,6 +78,8 @@ def summary(request) -> list[str]:
 def pytest_terminal_summary(terminalreporter, config):
     for line in dict.fromkeys(config.stash.get(SUMMARY, [])):
         terminalreporter.write_line(line)
+    for line in config.stash[BUDGET].timing():
+        terminalreporter.write_line(line)
     if slow := config.stash[BUDGET].over():
         terminalreporter.write_line(f"FAILED: the default run allows {DEFAULT_RUN_LIMIT_S:.0f} s per test (setup "
                                     "included); mark these slow or make them faster:", red=True)
@@ -94,10 +96,25 @@ class DefaultRunBudget:
     """Seconds per test, added up on the process that reports them (the controller, under xdist)."""
 
     def __init__(self, config) -> None:
-        self.config, self.seconds = config, defaultdict(float)
+        self.config, self.seconds, self.worker_seconds = config, defaultdict(float), defaultdict(float)
 
     def pytest_runtest_logreport(self, report) -> None:
         self.seconds[report.nodeid] += report.duration
+        if (node := getattr(report, "node", None)) is not None:  # xdist's controller: the worker that ran it
+            self.worker_seconds[node.gateway.id] += report.duration
+
+    def timing(self, top: int = 20) -> list[str]:
+        """Where a run's time went: each worker's busy seconds (an idle tail shows as a gap between them) and the
+        modules that took longest, setup and teardown included (LONGEST_FIRST is ordered by these)."""
+        if not self.worker_seconds:
+            return []
+        modules: defaultdict[str, float] = defaultdict(float)
+        for nodeid, s in self.seconds.items():
+            modules[nodeid.split("::", 1)[0]] += s
+        busy = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(self.worker_seconds.items()))
+        longest = sorted(modules.items(), key=lambda kv: -kv[1])[:top]
+        return [f"busy seconds per worker: {busy}", "longest modules: " + ", ".join(
+            f"{Path(m).stem} {s:.0f}" for m, s in longest)]
 
     def over(self) -> list[str]:
         """Tests of the default selection that took over the limit, slowest first."""
@@ -130,12 +147,12 @@ def pytest_configure(config):
     config.pluginmanager.register(config.stash[BUDGET], "tuneport-default-run-budget")
 
 
-# The modules that take longest in CI (--durations, serial: 380 s down to 75 s), run first: with `make test`'s two
-# workers each module is one unit of work, and starting the long ones first leaves short ones for the end.
-LONGEST_FIRST = ("test_awq", "test_vllm_export", "test_soak", "test_real_model", "test_multimodal", "test_release",
-                 "test_faults", "test_engine_faults", "test_mlx_export", "test_serve_vllm", "test_hostile_clients",
-                 "test_real_tokenizers",
-                 "test_real_configs", "test_exl3")
+# The modules that take longest in CI (the "longest modules" line `make test` prints), run first: with `make test`'s
+# two workers each module is one unit of work (xdist's reorder by test count is off), and starting the long ones
+# first leaves short ones for the end.
+LONGEST_FIRST = ("test_awq", "test_serve_ray", "test_vllm_export", "test_soak", "test_real_tokenizers", "test_faults",
+                 "test_engine_faults", "test_real_configs", "test_real_model", "test_multimodal", "test_release",
+                 "test_mlx_export", "test_serve_vllm", "test_hostile_clients", "test_api_docs", "test_exl3")
 
 
 def pytest_collection_modifyitems(config, items):
