@@ -240,7 +240,9 @@ def _value(config, attr: str, reads: ReadSet) -> Any:
     """What the model computes with for ``attr``: the attribute, else each fallback it is read with."""
     try:
         value = getattr(config, attr)
-    except AttributeError:
+    except Exception as e:  # noqa: BLE001 - transformers 5.19 raises its own error for a per-layer attribute
+        if not isinstance(e, AttributeError):
+            return _Unknown(f"{attr} per layer ({type(e).__name__})")  # Gemma 4's head_dim, varying by layer
         fallbacks = reads.fallbacks.get(attr, ())
         values = [_evaluate(f, config) for f in fallbacks]
         if not values:

@@ -15,7 +15,8 @@ from tuneport.toolkit.fidelity import compare_logits, llamacpp_logits, llamacpp_
 from tuneport.toolkit.tiny import make_base
 
 IDS = [1, 50, 60, 70, 80, 90, 100, 3, 4, 200, 300, 411, 7, 8, 9, 10]
-TOL = {"gemma3_text": 5e-3, "gemma2": 5e-3}  # llama.cpp's fp16 GELU table (tests/test_gguf_export.py); else 1e-4
+# llama.cpp's fp16 GELU table (tests/test_gguf_export.py); else 1e-4
+TOL = {"gemma3_text": 5e-3, "gemma2": 5e-3, "gemma4_text": 3e-2}
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,38 @@ CASES = [
     Case("lfm2", "block_ff_dim unadjusted", {"block_auto_adjust_ff_dim": False, "intermediate_size": 192}, "parity"),
     Case("lfm2", "conv_bias", {"conv_bias": True}, "refused: no biases on its convolution blocks"),
     Case("lfm2", "head_dim", {}, "refused: hidden_size / num_attention_heads", config_patch={"head_dim": 64}),
+    Case("gemma4_text", "global_head_dim", {"global_head_dim": 32}, "parity",  # the hub's layout
+         config_patch={"per_layer_config": None, "global_head_dim": 32}),
+    Case("gemma4_text", "per_layer_config", {"global_head_dim": 128}, "parity"),  # transformers 5.19's layout
+    Case("gemma4_text", "num_global_key_value_heads", {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+         "parity", config_patch={"per_layer_config": None, "global_head_dim": 64, "num_global_key_value_heads": 1}),
+    Case("gemma4_text", "attention_k_eq_v", {"attention_k_eq_v": True}, "parity"),
+    Case("gemma4_text", "hidden_activation", {"hidden_activation": "gelu"}, "refused: uses tanh-GELU"),
+    Case("gemma4_text", "attention_bias", {"attention_bias": True}, "refused: has no attention biases"),
+    Case("gemma4_text", "use_bidirectional_attention", {"use_bidirectional_attention": "all"},
+         "refused: runs Gemma 4's text causally"),
+    Case("gemma4_text", "sliding_window", {"sliding_window": 4}, "parity"),
+    Case("gemma4_text", "layer_types", {"layer_types": ["full_attention"] * 4, "num_kv_shared_layers": 0},
+         "refused: at least one sliding-window layer"),
+    Case("gemma4_text", "rope_parameters", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}, "refused: with default RoPE"),
+    Case("gemma4_text", "rope_parameters factor", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 20000.0,
+                           "factor": 4.0}}}, "parity"),
+    Case("gemma4_text", "rope_parameters default", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 100000.0}}}, "parity"),
+    Case("gemma4_text", "final_logit_softcapping", {"final_logit_softcapping": None}, "parity"),
+    Case("gemma4_text", "num_kv_shared_layers", {"num_kv_shared_layers": 1}, "refused: the two layers just before"),
+    Case("gemma4_text", "num_kv_shared_layers none", {"num_kv_shared_layers": 0}, "parity"),
+    Case("gemma4_text", "use_double_wide_mlp", {"use_double_wide_mlp": False}, "parity"),
+    Case("gemma4_text", "hidden_size_per_layer_input", {"hidden_size_per_layer_input": 0}, "parity"),
+    Case("gemma4_text", "vocab_size_per_layer_input", {}, "refused: a table of vocab_size rows",
+         config_patch={"vocab_size_per_layer_input": 4096}),
+    Case("gemma4_text", "enable_moe_block", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                             "moe_intermediate_size": 64}, "refused: not built yet"),
     Case("granite", "mlp_bias", {"mlp_bias": True}, "refused: no such biases"),
     Case("granite", "embedding_multiplier", {"embedding_multiplier": 7.0}, "parity"),
     Case("granite", "residual_multiplier", {"residual_multiplier": 0.2}, "parity"),

@@ -7,8 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from ..config_audit import KeyRule
+
+if TYPE_CHECKING:
+    import torch
 
 # (GGUF key suffix, HF config keys tried in order, kind): written when a key is present
 HParam = tuple[str, tuple[str, ...], str]
@@ -57,6 +61,9 @@ class GGUFArch:
     derived_hparams: Callable[[dict], dict[str, object]] | None = None
     # GGUF tensors llama.cpp applies no LoRA to (its graph does not go through build_lora_mm): (suffix, why)
     no_lora: tuple[tuple[str, str], ...] = ()
+    # config -> the ``rope_freqs`` tensor (frequency divisors) the graph always loads (Gemma 4's proportional RoPE:
+    # 1e30 on the pairs it leaves still); its full-attention RoPE type is then not otherwise written
+    rope_freqs: Callable[[dict], torch.Tensor] | None = None
 
 
 COMMON_HPARAMS: tuple[HParam, ...] = (

@@ -199,7 +199,10 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             shape, transform = (shape[0], *shape[2:]), lambda t: t.squeeze(1)  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
     rp = rope_parameters(config)
-    if rp["rope_type"] == "llama3":
+    if garch.rope_freqs is not None:
+        plan.extra["rope_freqs.weight"] = factors = garch.rope_freqs(config).float()
+        plan.tensors.append(TensorPlan("", "rope_freqs.weight", tuple(factors.shape), "F32"))
+    elif rp["rope_type"] == "llama3":
         head_dim = int(config.get("head_dim") or config["hidden_size"] // int(config["num_attention_heads"]))
         plan.extra["rope_freqs.weight"] = llama3_rope_freqs(rp, head_dim)
         plan.tensors.append(TensorPlan("", "rope_freqs.weight", (head_dim // 2,), "F32"))

@@ -10,6 +10,8 @@ import torch
 
 ADDED_TOKENS = ["<|tool|>", "<|think|>", "<|answer|>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Gemma 4's per-layer-input projection (a linear PEFT's all-linear takes): llama.cpp multiplies by it without LoRA
+NO_ENGINE_LORA = ("per_layer_model_projection",)
 LANGUAGE_MODEL_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
@@ -113,6 +115,9 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
     if lora.get("target_modules") == "all-linear" and hasattr(model, "model") and hasattr(model.model,
                                                                                            "language_model"):
         lora["target_modules"] = LANGUAGE_MODEL_LINEARS  # a multimodal model: the language model's linears
+    if lora.get("target_modules") == "all-linear" and any(n.endswith(NO_ENGINE_LORA) for n, _ in
+                                                           model.named_modules()):
+        lora["exclude_modules"] = list(NO_ENGINE_LORA)  # every linear the engines adapt (the rest: refused, merged)
     peft_model = get_peft_model(model, LoraConfig(**lora))
     _randomize(peft_model, seed)
     if customize:

@@ -35,6 +35,14 @@ QWEN3_5_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_
 QWEN3_5_MOE_TEXT = (*QWEN3_5_TEXT, ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
                     ("shared_expert_intermediate_size", 64))
 
+GEMMA4_TEXT = (
+    ("num_hidden_layers", 4), ("head_dim", 32), ("global_head_dim", 64), ("sliding_window", 8),
+    ("layer_types", ["sliding_attention", "full_attention"] * 2), ("num_kv_shared_layers", 2),
+    ("hidden_size_per_layer_input", 16), ("use_double_wide_mlp", True), ("final_logit_softcapping", 30.0),
+    ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}}))
+
 TINY_ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("llama", "LlamaConfig", "sentencepiece"),
     "mistral": TinyArch("mistral", "MistralConfig", "sentencepiece", (("sliding_window", None),)),
@@ -115,6 +123,10 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "lfm2": TinyArch("lfm2", "Lfm2Config", "bpe", (
         ("num_hidden_layers", 4), ("intermediate_size", 384),
         ("layer_types", ["conv", "conv", "full_attention", "conv"])), always_tied=True),
+    # Gemma 4 E2B's choices in 4 layers (sliding, full, sliding, full; window 8): per-layer embeddings (PLE), the
+    # last 2 layers reusing the KV of the last earlier layer of their kind with double-wide MLPs, full layers with
+    # their own head size (64) and proportional RoPE on a quarter of it, soft-capped logits; layer_scalar away from 1
+    "gemma4_text": TinyArch("gemma4_text", "Gemma4TextConfig", "sentencepiece", GEMMA4_TEXT),
     # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
     "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
         ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
@@ -184,6 +196,8 @@ def make_base(
         pad_token_id=tok.pad_token_id,
         **{**TINY_DIMS, **dict(spec.extra), **(dims or {})},  # dims override the architecture's extras
     )
+    if getattr(config, "vocab_size_per_layer_input", None):  # Gemma 4's per-layer embeddings: the same vocabulary
+        config.vocab_size_per_layer_input = len(tok)
     model_class = AutoModelForCausalLM
     if gemma_vision:  # head size 32 in the vision tower too (vLLM's CPU attention)
         vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -205,6 +219,9 @@ def make_base(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4 scales each layer's output (released values 0.02-0.9)
+                b.copy_(0.5 + 0.5 * torch.rand_like(b))
     model = model.to(DTYPES[dtype])
     model.save_pretrained(out, max_shard_size=max_shard_size)
     GenerationConfig(
