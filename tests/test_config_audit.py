@@ -168,6 +168,8 @@ CASES = [
     Case("gemma4_text", "num_global_key_value_heads", {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
          "parity", config_patch={"per_layer_config": None, "global_head_dim": 64, "num_global_key_value_heads": 1}),
     Case("gemma4_text", "attention_k_eq_v", {"attention_k_eq_v": True}, "parity"),
+    Case("gemma4_text", "partial_rotary_factor", {}, "refused: per layer kind",
+         config_patch={"partial_rotary_factor": 0.5}),
     Case("gemma4_text", "hidden_activation", {"hidden_activation": "gelu"}, "refused: uses tanh-GELU"),
     Case("gemma4_text", "attention_bias", {"attention_bias": True}, "refused: has no attention biases"),
     Case("gemma4_text", "use_bidirectional_attention", {"use_bidirectional_attention": "all"},

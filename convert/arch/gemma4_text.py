@@ -15,6 +15,7 @@ import torch
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON, attention_layer_types
+from ..mlx.arch_facts import MlxArch
 from .spec import ArchSpec
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -133,6 +134,37 @@ def _ple_vocab(value, cfg: dict) -> str | None:
     return "llama.cpp looks per-layer embeddings up by token id in a table of vocab_size rows"
 
 
+def mlx_config(cfg: dict) -> list[str]:
+    """mlx-lm's gemma4_text reads ``global_head_dim`` / ``num_global_key_value_heads`` (transformers 5.19 saves
+    ``per_layer_config`` instead) and defaults the E2B's shape for the keys a config leaves out (20 shared layers,
+    PLE 256, double-wide MLPs, soft-cap 30): every one written as transformers computes it."""
+    (_, full_hd), (_, full_kv) = head_dims(cfg), kv_heads(cfg)
+    want = {"global_head_dim": full_hd, "layer_types": layer_types(cfg),
+            "num_kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
+            "hidden_size_per_layer_input": int(cfg.get("hidden_size_per_layer_input") or 0),
+            "use_double_wide_mlp": bool(cfg.get("use_double_wide_mlp")),
+            "attention_k_eq_v": bool(cfg.get("attention_k_eq_v")),
+            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+            "num_global_key_value_heads": full_kv if cfg.get("attention_k_eq_v") else None}
+    filled = sorted(k for k, v in want.items() if cfg.get(k, "absent") != v)
+    cfg.update(want)
+    return filled
+
+
+MLX_RULES: dict[str, KeyRule] = {
+    "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
+        "gelu_pytorch_tanh", why="mlx-lm's gemma4_text uses tanh-GELU")),
+    "attention_bias": KeyRule("refused unless", "false", must_be(
+        False, None, why="mlx-lm's gemma4_text has no attention biases")),
+    "use_bidirectional_attention": KeyRule("refused unless", "none or vision", must_be(
+        None, "vision", why="mlx-lm runs Gemma 4's text causally")),
+    "per_layer_config": KeyRule("carried", "as global_head_dim and num_global_key_value_heads"),
+    "rope_theta": KeyRule("inert", "Gemma 4 reads rope_parameters per layer kind"),
+    "enable_moe_block": KeyRule("refused unless", "false", must_be(
+        False, None, why="not built yet: tuneport does not stack Gemma 4's experts for mlx-lm (26B-A4B)")),
+}
+
+
 GEMMA4_GGUF_RULES: dict[str, KeyRule] = {
     **COMMON,
     "head_dim": KeyRule("carried", "attention.key_length_swa"),
@@ -160,6 +192,11 @@ GEMMA4_GGUF_RULES: dict[str, KeyRule] = {
         False, None, why="not built yet: tuneport does not write Gemma 4's mixture-of-experts block (26B-A4B)")),
     **dict.fromkeys(("num_experts", "top_k_experts", "moe_intermediate_size", "expert_intermediate_size"),
                     KeyRule("inert", "read only with enable_moe_block")),
+    "partial_rotary_factor": KeyRule("refused unless", "none", must_be(
+        None, why="Gemma 4 sets its partial rotation per layer kind, in rope_parameters")),
+    "output_router_logits": KeyRule("inert", "training's auxiliary loss"),
+    **dict.fromkeys(("default_rope_type", "standardize", "serialize_explicit_per_layer_config"),
+                    KeyRule("inert", "transformers' own bookkeeping, not a setting")),
 }
 
 ARCH = ArchSpec(
@@ -180,6 +217,13 @@ ARCH = ArchSpec(
         derived_hparams=_gguf_hparams, rope_freqs=rope_freqs,
         no_lora=(("per_layer_model_proj.weight", "llama.cpp multiplies by it without LoRA (a plain ggml_mul_mat)"),
                  ("per_layer_token_embd.weight", "a table lookup llama.cpp applies no LoRA to"))),
-    refusals={"awq": "not built yet: tuneport's AWQ pass has no scale groups for Gemma 4's layers",
+    mlx=MlxArch("gemma4_text", (mlx_config,), fixed_rules=MLX_RULES,
+                notes=("global_head_dim, num_global_key_value_heads and the keys mlx-lm defaults to the E2B's "
+                       "shape written as transformers computes them",)),
+    refusals={"vllm": "separate adapters not built yet: vLLM applies a LoRA on k_proj to the keys only, where the "
+                      "full layers of a k_eq_v Gemma 4 (31B, 26B-A4B) take their values from k_proj too (measured: "
+                      "1.82 apart in logprobs until the k_proj LoRA is copied to v_proj); merged bundles are exported, "
+                      "not proven here yet",
+              "awq": "not built yet: tuneport's AWQ pass has no scale groups for Gemma 4's layers",
               "exl3": "not built yet for Gemma 4"},
 )

@@ -23,6 +23,7 @@ from .tokenizers import TOKENIZER_WRITERS
 
 HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
 MIN_LAYERS = 4
+PER_LAYER_INPUT = 16  # Gemma 4's per-layer embedding width
 KEPT_DEPTHS = {"exaone4": (WINDOW_DEPTH,)}  # llama.cpp runs EXAONE 4's sliding windows at 64 layers only
 # a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds them), by the checkpoint's model_type
 SIGLIP = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -68,6 +69,8 @@ def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
         if cfg.get("head_dim") is not None:  # redundant (= hidden / heads) stays redundant, a distinct one distinct
             same = real.get("hidden_size") and real["head_dim"] * heads == real["hidden_size"]
             cfg["head_dim"] = HIDDEN // HEADS if same else 2 * HIDDEN // HEADS
+    if layers and cfg.get("num_kv_shared_layers"):  # Gemma 4: its layer pattern once, then shared once again
+        cfg["num_kv_shared_layers"], n = n, 2 * n
     if layers:
         cfg["num_hidden_layers"] = n
         for key in ("layer_types", "no_rope_layers"):
@@ -84,6 +87,12 @@ def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
         for key in ("linear_key_head_dim", "linear_value_head_dim"):
             if key in cfg:
                 cfg[key] = LINEAR_HEAD_DIM
+    if cfg.get("global_head_dim") and real.get("head_dim"):  # Gemma 4's full layers: the same ratio to head_dim
+        cfg["global_head_dim"] = cfg["head_dim"] * real["global_head_dim"] // real["head_dim"]
+    if cfg.get("num_global_key_value_heads") and heads:
+        cfg["num_global_key_value_heads"] = max(1, cfg["num_global_key_value_heads"] * HEADS // heads)
+    if cfg.get("hidden_size_per_layer_input"):
+        cfg["hidden_size_per_layer_input"] = PER_LAYER_INPUT
     for key in ("num_experts", "num_local_experts"):
         if cfg.get(key):
             cfg[key] = EXPERTS
@@ -94,6 +103,8 @@ def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
             cfg[key] = EXPERT_INTERMEDIATE
     if "vocab_size" in cfg or "hidden_size" in cfg:
         cfg["vocab_size"] = vocab_size
+        if "vocab_size_per_layer_input" in cfg:  # Gemma 4's per-layer embeddings: the same vocabulary
+            cfg["vocab_size_per_layer_input"] = vocab_size
     for key, value in ids.items():
         if key in cfg:
             cfg[key] = [value] if isinstance(cfg[key], list) and value is not None else value
