@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -47,35 +47,40 @@ def lora_module_args(adapters: dict[str, str], served_name: str) -> list[str]:
     return [json.dumps({"name": n, "path": p, "base_model_name": served_name}) for n, p in adapters.items()]
 
 
-def vllm_adapter_tensors(adapter: Adapter, drop: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """PEFT-named tensors vLLM parses: ``base_model.model.<module>.lora_A.weight`` and friends."""
+def vllm_adapter_tensors(adapter: Adapter, drop: Collection[str] = (),
+                         copies: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """PEFT-named tensors vLLM parses: ``base_model.model.<module>.lora_A.weight`` and friends; ``copies``: module ->
+    the module whose LoRA it gets too (``Preflight.copies``)."""
     out: dict[str, torch.Tensor] = {}
-    for mod in adapter.modules.values():
-        key = PEFT_PREFIX + mod.module
+    by_module = {mod.module: mod for mod in adapter.modules.values()}
+    for name, mod in [*((m.module, m) for m in adapter.modules.values()),
+                      *((target, by_module[source]) for target, source in (copies or {}).items())]:
+        key, copy = PEFT_PREFIX + name, name in (copies or {})  # a copy is a tensor of its own (safetensors)
+        a, b = (mod.A.clone(), mod.B.clone()) if copy else (mod.A.contiguous(), mod.B.contiguous())
         if mod.kind == "embedding":
-            out[f"{key}.lora_embedding_A"] = mod.A.contiguous()
-            out[f"{key}.lora_embedding_B"] = mod.B.contiguous()
+            out[f"{key}.lora_embedding_A"], out[f"{key}.lora_embedding_B"] = a, b
         else:
-            out[f"{key}.lora_A.weight"] = mod.A.contiguous()
-            out[f"{key}.lora_B.weight"] = mod.B.contiguous()
+            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = a, b
     for name, t in adapter.replacements.items():
         if name not in drop:
             out[PEFT_PREFIX + name] = t.contiguous()
     return out
 
 
-def vllm_adapter_config(adapter: Adapter) -> dict:
+def vllm_adapter_config(adapter: Adapter, copies: Mapping[str, str] | None = None) -> dict:
     cfg = dict(adapter.config)
     if isinstance(cfg.get("target_modules"), str):
         cfg["target_modules"] = adapter.target_suffixes
+    if copies and isinstance(cfg.get("target_modules"), list):
+        cfg["target_modules"] = sorted({*cfg["target_modules"], *(t.rsplit(".", 1)[-1] for t in copies)})
     cfg["fan_in_fan_out"] = False
     return cfg
 
 
 def write_vllm_adapter(adapter: Adapter, pf: Preflight, out: Path) -> None:
     out.mkdir(parents=True)
-    (out / "adapter_config.json").write_text(json.dumps(vllm_adapter_config(adapter), indent=2))
-    save_file(vllm_adapter_tensors(adapter, pf.drop_tensors), str(out / "adapter_model.safetensors"),
+    (out / "adapter_config.json").write_text(json.dumps(vllm_adapter_config(adapter, pf.copies), indent=2))
+    save_file(vllm_adapter_tensors(adapter, pf.drop_tensors, pf.copies), str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
 
 
@@ -190,7 +195,8 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         write_launch(tmp, launch_args("base", served, adapters=paths, max_rank=max_rank, dtype=vllm_dtype))
         fixes = {pf.adapter: pf.fixes for pf in results}
         load_check = {"base": check_hf_dir(base_dir),
-                      "adapters": check_adapter_dirs(base_dir, [tmp / p for p in paths.values()])}
+                      "adapters": check_adapter_dirs(base_dir, [tmp / p for p in paths.values()],
+                                                     {t: src for pf in results for t, src in pf.copies.items()})}
         manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                   {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype,
                                    "notes": [f"config.json: {k} set, as vLLM reads it" for k in updates]},

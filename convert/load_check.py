@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import UserError
@@ -102,9 +103,10 @@ def check_hf_dir(path: Path, tensors: bool = True) -> str:
     return f"loaded by transformers' readers: config, tokenizer, {len(written)} tensors' names and shapes"
 
 
-def check_adapter_dirs(base: Path, adapters: list[Path]) -> str:
+def check_adapter_dirs(base: Path, adapters: list[Path], aliases: Mapping[str, str] | None = None) -> str:
     """Check each PEFT adapter directory vLLM will load: its config through PEFT, each LoRA tensor on a module
-    of the base model with the shapes that module needs."""
+    of the base model with the shapes that module needs; ``aliases``: a module vLLM has and transformers does not ->
+    the module whose shape it has (a k_eq_v layer's v_proj, the value shard vLLM fills with k_proj)."""
     try:
         from peft import LoraConfig
     except ImportError:
@@ -120,7 +122,7 @@ def check_adapter_dirs(base: Path, adapters: list[Path]) -> str:
             if ".lora_" not in name:
                 continue  # saved whole modules are checked by vLLM's own rules before writing
             module_name, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
-            module = modules.get(module_name)
+            module = modules.get(module_name) or modules.get((aliases or {}).get(module_name, ""))
             if module is None or not hasattr(module, "weight"):
                 raise UserError(f"the exported adapter {adapter.name} has {name}, which is not a module of the base",
                                 HINT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .adapter import Adapter, saved_base_layers
+from .adapter import Adapter, module_scale, saved_base_layers
 from .arch import ArchSpec, known_arch
 from .checkpoint import Checkpoint
 from .errors import UserError
@@ -138,6 +138,7 @@ class Preflight:
     problems: list[str] = field(default_factory=list)  # each: reason + what to do
     fixes: list[str] = field(default_factory=list)  # lossless rewrites tuneport applies
     drop_tensors: set[str] = field(default_factory=set)  # replacements identical to the base
+    copies: dict[str, str] = field(default_factory=dict)  # module -> the module whose LoRA is written for it too
 
     @property
     def ok(self) -> bool:
@@ -177,6 +178,8 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
         if bad:
             pf.problems.append(f"vLLM does not apply LoRA to {', '.join(bad)} on {arch_name} "
                                f"(it accepts {', '.join(arch.vllm_lora_modules)}): {MERGE_HINT}")
+    if arch is not None and arch.vllm_lora_copies is not None and base is not None:
+        _copy_shared_loras(adapter, arch, base.config, pf)
     if base is None:  # inspect on the adapter alone: whether saved layers equal the base is not known here
         saved = sorted(n for n, o in adapter.replacement_origin.items() if o == "base_layer")
         if saved:
@@ -196,6 +199,28 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
     if adapter.file is not None and adapter.file.suffix != ".safetensors":
         pf.fixes.append(f"{adapter.file.name} converted to adapter_model.safetensors")
     return pf
+
+
+def _copy_shared_loras(adapter: Adapter, arch: ArchSpec, config: dict, pf: Preflight) -> None:
+    """LoRAs vLLM needs twice (``ArchSpec.vllm_lora_copies``): each written for its second module too, where the
+    config gives that module the same scale (else refused: vLLM would scale the copy otherwise)."""
+    by_module = {m.module: m for m in adapter.modules.values() if m.kind == "linear"}
+    for target, source in sorted(arch.vllm_lora_copies(config, by_module).items()):
+        src = by_module[source]
+        try:
+            same = module_scale(adapter, target, src.rank)[1] == src.scale
+        except UserError:
+            same = False
+        if not same:
+            pf.problems.append(f"vLLM needs the LoRA on {source} on {target} too (the model takes one's output for "
+                               f"both) and the adapter's rank or alpha pattern scales {target} otherwise: "
+                               f"{MERGE_HINT}")
+            return
+        pf.copies[target] = source
+    if pf.copies:
+        pf.fixes.append(f"the LoRA on {len(pf.copies)} module(s) written for a second one vLLM computes apart "
+                        f"({', '.join(f'{s} -> {t}' for t, s in list(pf.copies.items())[:2])}"
+                        f"{', ...' if len(pf.copies) > 2 else ''}): the model takes one's output for both")
 
 
 def preflight_message(results: list[Preflight]) -> str:

@@ -386,11 +386,12 @@ def test_expert_lora_batched_over_stacked_experts_matches_mlx_lm(zoo, tmp_path, 
     assert not bad, bad[:2]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2", "gemma4_text"])
 def test_hybrid_linear_attention_mixed_adapters_match_mlx_lm_alone(zoo, tmp_path, arch):
-    """Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per sequence) and LFM2 (short
-    convolutions): the base and adapters on the attention and on every linear, prompts of different lengths at
-    concurrency 6 through the gateway; every answer equals mlx-lm's with only that adapter."""
+    """Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per sequence), LFM2 (short
+    convolutions) and Gemma 4 (per-layer embeddings, layers reading earlier layers' KV): the base and adapters on
+    the attention and on every linear, prompts of different lengths at concurrency 6 through the gateway; every
+    answer equals mlx-lm's with only that adapter."""
     from tuneport.convert.adapter import load_adapter
     from tuneport.convert.checkpoint import Checkpoint
     from tuneport.convert.mlx.adapters import mlx_adapter, write_mlx_adapter

@@ -231,8 +231,12 @@ def test_verify_every_architecture_gguf(zoo, tmp_path, arch):
     base, adapter = zoo.base(arch), _adapter_for(zoo, arch)
     out = tmp_path / "gguf"
     tuneport.export(base=base, adapters=[f"a={adapter}"], target="gguf", adapter_mode="separate", quant="f32", out=out)
+    # Gemma 4 runs more GELUs per layer through that table (tests/test_gguf_export.py: 7.8e-3 on the base, 1.5e-2 with
+    # an all-linear LoRA, 1.4e-3 with the table emulated): 2.3e-2 here, and one of 255 positions whose top two logits
+    # are that close changes its top-1
+    gates = ["max_abs<=3e-2", "top1>=0.99"] if arch.startswith("gemma4") else ["max_abs<=5e-3", "top1>=1"]
     report = verify(artifact=out / f"{base.name}-F32.gguf", reference=base, adapter=adapter,
-                    lora=out / "adapters" / "a-F32.gguf", gates=["max_abs<=5e-3", "top1>=1", "greedy>=1"])
+                    lora=out / "adapters" / "a-F32.gguf", gates=[*gates, "greedy>=1"])
     assert not _numeric_failures(report), report.failure_line()
     assert report.metrics["strength_error"] <= 1e-2, report.metrics
 

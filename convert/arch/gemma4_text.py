@@ -10,15 +10,21 @@ where the hub's configs say ``global_head_dim`` / ``num_global_key_value_heads``
 
 from __future__ import annotations
 
-import torch
+import re
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON, attention_layer_types
 from ..mlx.arch_facts import MlxArch
-from .spec import ArchSpec
+from .spec import LLAMA_LINEARS, ArchSpec
+
+if TYPE_CHECKING:
+    import torch
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+LINEARS = (*LLAMA_LINEARS, "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")
 
 
 def layer_types(cfg: dict) -> list[str]:
@@ -87,6 +93,8 @@ def rope_freqs(cfg: dict) -> torch.Tensor:
     """The full layers' frequency divisors (llama.cpp's rope_freqs): proportional RoPE turns the first
     ``partial_rotary_factor · G / 2`` pairs at ``θ^(-2i/G) / factor`` and leaves the others still (1e30 there);
     default RoPE turns every pair."""
+    import torch
+
     _, full_hd = head_dims(cfg)
     rp = _full_rope(cfg)
     if rp.get("rope_type", "default") == "default":
@@ -95,6 +103,20 @@ def rope_freqs(cfg: dict) -> torch.Tensor:
     factors = torch.full((full_hd // 2,), 1e30)
     factors[:turned] = float(rp.get("factor", 1.0))
     return factors
+
+
+def vllm_value_lora(cfg: dict, modules: Collection[str]) -> dict[str, str]:
+    """The full layers of a k_eq_v model take their values from k_proj (its LoRA included); vLLM loads k_proj into
+    both its key and value shards but applies a k_proj LoRA to the keys only: v_proj gets the same LoRA."""
+    if not cfg.get("attention_k_eq_v"):
+        return {}
+    kinds, first = layer_types(cfg), shared_from(cfg)
+    copies = {}
+    for module in modules:
+        if (m := re.fullmatch(r"(.*\.layers\.(\d+)\.self_attn\.)k_proj", module)) is not None:
+            if int(m[2]) < first and kinds[int(m[2])] == FULL:
+                copies[m[1] + "v_proj"] = module
+    return copies
 
 
 def _rope(value, cfg: dict) -> str | None:
@@ -204,6 +226,9 @@ ARCH = ArchSpec(
     ("Gemma4ForCausalLM",),
     gguf_arch="gemma4",
     rope_style="neox",
+    linear_modules=LINEARS,
+    vllm_lora_modules=LINEARS,
+    vllm_lora_copies=vllm_value_lora,
     notes=("sliding-window and full-attention layers with their own head sizes; proportional RoPE on the full layers",
            "per-layer embeddings (PLE); the last layers share earlier layers' KV; k_eq_v full layers; a scalar on "
            "each layer's output; norms as stored (not 1 + w); soft-capped logits"),
@@ -214,16 +239,13 @@ ARCH = ArchSpec(
         ("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), "f32"),
         ("attention.sliding_window", ("sliding_window",), "u32"),
     ), GEMMA4_GGUF_RULES, write_freq_base_swa=True, write_swa_pattern=True, weight_suffixed=("layer_output_scale",),
+        keep_f32=("per_layer_model_proj.weight",),  # llama.cpp's quantizer never quantizes it
         derived_hparams=_gguf_hparams, rope_freqs=rope_freqs,
         no_lora=(("per_layer_model_proj.weight", "llama.cpp multiplies by it without LoRA (a plain ggml_mul_mat)"),
                  ("per_layer_token_embd.weight", "a table lookup llama.cpp applies no LoRA to"))),
     mlx=MlxArch("gemma4_text", (mlx_config,), fixed_rules=MLX_RULES,
                 notes=("global_head_dim, num_global_key_value_heads and the keys mlx-lm defaults to the E2B's "
                        "shape written as transformers computes them",)),
-    refusals={"vllm": "separate adapters not built yet: vLLM applies a LoRA on k_proj to the keys only, where the "
-                      "full layers of a k_eq_v Gemma 4 (31B, 26B-A4B) take their values from k_proj too (measured: "
-                      "1.82 apart in logprobs until the k_proj LoRA is copied to v_proj); merged bundles are exported, "
-                      "not proven here yet",
-              "awq": "not built yet: tuneport's AWQ pass has no scale groups for Gemma 4's layers",
+    refusals={"awq": "not built yet: tuneport's AWQ pass has no scale groups for Gemma 4's layers",
               "exl3": "not built yet for Gemma 4"},
 )

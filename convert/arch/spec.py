@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -86,6 +86,9 @@ class ArchSpec:
     linear_modules: tuple[str, ...] = LLAMA_LINEARS
     # Module suffixes each engine accepts a LoRA on (read from the engine's own model classes).
     vllm_lora_modules: tuple[str, ...] = LLAMA_LINEARS
+    # (config, adapted module paths) -> {module: the module whose LoRA vLLM must apply to it too}: where the model
+    # takes one projection's output for two and vLLM computes the two apart (Gemma 4's k_eq_v layers: values = keys)
+    vllm_lora_copies: Callable[[dict, Collection[str]], dict[str, str]] | None = None
     # transformers' attention implementation for the reference, where its default computes something else
     reference_attention: str | None = None
     experts: ExpertLayout | None = None  # a mixture-of-experts architecture

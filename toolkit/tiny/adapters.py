@@ -10,6 +10,9 @@ import torch
 
 ADDED_TOKENS = ["<|tool|>", "<|think|>", "<|answer|>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Gemma 4's vision tower wraps its linears (Gemma4ClippableLinear), which PEFT cannot adapt: adapters on it leave the
+# towers out, as the real ones do (tests/real/tools/peft--gemma-4-e4b-exclude-regex-peft019)
+TOWERS = {"gemma4": r".*(vision_tower|audio_tower|embed_vision|embed_audio).*"}
 # Gemma 4's per-layer-input projection (a linear PEFT's all-linear takes): llama.cpp multiplies by it without LoRA
 NO_ENGINE_LORA = ("per_layer_model_projection",)
 LANGUAGE_MODEL_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -115,6 +118,8 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
     if lora.get("target_modules") == "all-linear" and hasattr(model, "model") and hasattr(model.model,
                                                                                            "language_model"):
         lora["target_modules"] = LANGUAGE_MODEL_LINEARS  # a multimodal model: the language model's linears
+    if (towers := TOWERS.get(model.config.model_type)) and not lora.get("exclude_modules"):
+        lora["exclude_modules"] = towers
     if lora.get("target_modules") == "all-linear" and any(n.endswith(NO_ENGINE_LORA) for n, _ in
                                                            model.named_modules()):
         lora["exclude_modules"] = list(NO_ENGINE_LORA)  # every linear the engines adapt (the rest: refused, merged)

@@ -29,6 +29,9 @@ QWEN3_5_TEXT = (
     ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}))
 
+# Gemma 4's vision tower, tiny (head size 32, 8-pixel patches)
+GEMMA4_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "head_dim": 32, "patch_size": 8, "position_embedding_size": 64}
 # Qwen3.5's vision tower, tiny (out_hidden_size: the text model's hidden size)
 QWEN3_5_VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": 8,
                   "num_position_embeddings": 16}
@@ -127,6 +130,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     # last 2 layers reusing the KV of the last earlier layer of their kind with double-wide MLPs, full layers with
     # their own head size (64) and proportional RoPE on a quarter of it, soft-capped logits; layer_scalar away from 1
     "gemma4_text": TinyArch("gemma4_text", "Gemma4TextConfig", "sentencepiece", GEMMA4_TEXT),
+    # Gemma 4 as released (Gemma4ForConditionalGeneration): the text model above and a tiny vision tower, tied
+    "gemma4": TinyArch("gemma4", "Gemma4Config", "sentencepiece", GEMMA4_TEXT, always_tied=True,
+                       text_config_class="Gemma4TextConfig"),
     # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
     "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
         ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
@@ -206,6 +212,13 @@ def make_base(
                             mm_tokens_per_image=MM_TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
                             boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                             tie_word_embeddings=config.tie_word_embeddings)
+    elif spec.model_type == "gemma4":  # Gemma 4 as released: a tiny vision tower, no audio (the 31B's layout)
+        if config.pad_token_id is None:  # its forward pads image positions with it (Gemma's <pad> is id 0)
+            config.pad_token_id = 0
+        vision = transformers.Gemma4VisionConfig(**GEMMA4_VISION)
+        config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                            tie_word_embeddings=config.tie_word_embeddings)
+        model_class = transformers.AutoModelForImageTextToText
     elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM: the text model)
         vision = _qwen3_5_vision_class(spec.model_type)(**{**QWEN3_5_VISION, "out_hidden_size": config.hidden_size})
         config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),

@@ -18,7 +18,7 @@ from tuneport.convert.arch.exaone4 import WINDOW_DEPTH
 from tuneport.convert.stored.mxfp4 import decode as decode_mxfp4
 from tuneport.convert.stored.mxfp4 import encode as encode_mxfp4
 
-from .models import QWEN3_5_VISION, TINY_ARCHS, _write_image_processor
+from .models import GEMMA4_VISION, QWEN3_5_VISION, TINY_ARCHS, _write_image_processor
 from .tokenizers import TOKENIZER_WRITERS
 
 HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
@@ -29,7 +29,10 @@ KEPT_DEPTHS = {"exaone4": (WINDOW_DEPTH,)}  # llama.cpp runs EXAONE 4's sliding 
 SIGLIP = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 32, "patch_size": 8}
 QWEN3_5_TINY_VISION = {**QWEN3_5_VISION, "out_hidden_size": HIDDEN}
-VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_TINY_VISION, "qwen3_5_moe": QWEN3_5_TINY_VISION}
+VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_TINY_VISION, "qwen3_5_moe": QWEN3_5_TINY_VISION, "gemma4": GEMMA4_VISION}
+# Gemma 4 E2B / E4B's audio tower, tiny (its output projected to the text model's width by embed_audio)
+GEMMA4_AUDIO = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "subsampling_conv_channels": [8, 4], "output_proj_dims": 64}
 # Gated DeltaNet heads (Qwen3.5): 2 key heads, 4 value heads where the real ones differ, 64 wide
 LINEAR_KEY_HEADS, LINEAR_HEAD_DIM = 2, 64
 MM_TOKENS_PER_IMAGE = 4
@@ -168,6 +171,8 @@ def make_base_like(real_config: dict, out: Path, seed: int = 0) -> Path:
         cfg["text_config"] = shrink_text_config(cfg["text_config"], len(tok), {})
         cfg["text_config"].setdefault("vocab_size", len(tok))
         cfg["vision_config"] = {**cfg.get("vision_config", {}), **VISION.get(model_type, SIGLIP)}
+        if isinstance(cfg.get("audio_config"), dict):
+            cfg["audio_config"] = {**cfg["audio_config"], **GEMMA4_AUDIO}
         if gemma_vision:
             cfg.update({k: v for k, v in {"mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
                                           "image_token_index": tok.image_token_id, "boi_token_index": tok.boi_token_id,
