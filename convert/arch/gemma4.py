@@ -5,7 +5,7 @@ MLX export its text model (``gemma4_text``). transformers 5's AutoModelForCausal
 it, so adapters name either layout."""
 
 from .gemma4_text import ARCH as TEXT
-from .spec import ArchSpec, TextTower
+from .spec import ArchSpec, TextTower, under_language_model
 
 TEXT_MODEL_PARTS = ("layers.", "embed_tokens.", "norm.", "embed_tokens_per_layer.", "per_layer_model_projection.",
                     "per_layer_projection_norm.")
@@ -15,11 +15,7 @@ ARCH = ArchSpec(
     ("Gemma4ForConditionalGeneration",),
     gguf_arch="gemma4",
     rope_style="neox",
-    embed="model.language_model.embed_tokens",
-    final_norm="model.language_model.norm",
-    layer_prefix="model.language_model.layers",
-    linear_modules=TEXT.linear_modules,
-    vllm_lora_modules=TEXT.vllm_lora_modules,
+    **under_language_model(TEXT),
     notes=("multimodal: merge keeps the vision and audio towers; GGUF and MLX export the text model",),
     text_tower=TextTower(
         "gemma4_text", "Gemma4TextConfig",

@@ -4,18 +4,14 @@ GGUF and MLX export its text model (``qwen3_5_text``). transformers 5's AutoMode
 alone from it (as Unsloth and TRL fine-tune it), so adapters name either layout."""
 
 from .qwen3_5_text import ARCH as TEXT
-from .spec import ArchSpec, TextTower
+from .spec import ArchSpec, TextTower, under_language_model
 
 ARCH = ArchSpec(
     "qwen3_5",
     ("Qwen3_5ForConditionalGeneration",),
     gguf_arch="qwen35",
     rope_style="neox",
-    embed="model.language_model.embed_tokens",
-    final_norm="model.language_model.norm",
-    layer_prefix="model.language_model.layers",
-    linear_modules=TEXT.linear_modules,
-    vllm_lora_modules=TEXT.vllm_lora_modules,
+    **under_language_model(TEXT),
     notes=("multimodal: merge keeps the vision tower and the multi-token-prediction head; GGUF and MLX export the "
            "text model",),
     text_tower=TextTower(

@@ -106,3 +106,11 @@ class ArchSpec:
     @property
     def embedding_modules(self) -> tuple[str, ...]:
         return (self.embed.rsplit(".", 1)[-1], self.lm_head.rsplit(".", 1)[-1])
+
+
+def under_language_model(text: ArchSpec) -> dict:
+    """The ArchSpec fields of a multimodal checkpoint that keeps ``text`` under ``model.language_model`` (transformers
+    5's layout: Qwen3.5, Gemma 4) with the LM head at the root: its names and the text model's LoRA modules."""
+    return {"embed": "model.language_model.embed_tokens", "final_norm": "model.language_model.norm",
+            "layer_prefix": "model.language_model.layers", "linear_modules": text.linear_modules,
+            "vllm_lora_modules": text.vllm_lora_modules}
