@@ -76,10 +76,10 @@ UNBUILDABLE = {
 }
 
 
-# Qwen3.5 as released differs from its text model (every variant above) in names only: the variants that touch names
-# (embeddings, lm_head, a full tensor, all linears) run on it
-RENAMED_ONLY = {"qwen3_5": ("all_linear", "embedding", "tied", "modules_to_save"),
-                "qwen3_5_moe": ("all_linear", "embedding", "tied", "modules_to_save")}
+# Qwen3.5 and Gemma 4 as released differ from their text models (every variant above) in names only: the variants
+# that touch names (embeddings, lm_head, a full tensor, all linears) run on them
+RENAMED_ONLY = dict.fromkeys(("qwen3_5", "qwen3_5_moe", "gemma4"),
+                             ("all_linear", "embedding", "tied", "modules_to_save"))
 
 
 def _variant_cases() -> list:
