@@ -240,14 +240,14 @@ def _value(config, attr: str, reads: ReadSet) -> Any:
     """What the model computes with for ``attr``: the attribute, else each fallback it is read with."""
     try:
         value = getattr(config, attr)
-    except Exception as e:  # noqa: BLE001 - transformers 5.19 raises its own error for a per-layer attribute
-        if not isinstance(e, AttributeError):
-            return _Unknown(f"{attr} per layer ({type(e).__name__})")  # Gemma 4's head_dim, varying by layer
+    except AttributeError:
         fallbacks = reads.fallbacks.get(attr, ())
         values = [_evaluate(f, config) for f in fallbacks]
         if not values:
             return MISSING
         return values[0] if all(_same(v, values[0]) for v in values) else _Unknown(" / ".join(fallbacks))
+    except Exception as e:  # noqa: BLE001 - transformers 5.19's own error for a per-layer attribute (Gemma 4's head_dim)
+        return _Unknown(f"{attr} per layer ({type(e).__name__})")
     return value
 
 

@@ -173,17 +173,26 @@ def mlx_config(cfg: dict) -> list[str]:
     return filled
 
 
+def hard_coded_rules(engine: str, moe: str) -> dict[str, KeyRule]:
+    """What ``engine``'s Gemma 4 text model fixes that transformers reads (tanh-GELU, no attention biases, causal
+    text), the top-level rope_theta nothing reads, and the mixture of experts tuneport does not write yet (``moe``:
+    what is missing)."""
+    return {
+        "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
+            "gelu_pytorch_tanh", why=f"{engine} uses tanh-GELU")),
+        "attention_bias": KeyRule("refused unless", "false", must_be(
+            False, None, why=f"{engine} has no attention biases")),
+        "use_bidirectional_attention": KeyRule("refused unless", "none or vision", must_be(
+            None, "vision", why=f"{engine} runs Gemma 4's text causally")),
+        "rope_theta": KeyRule("inert", "Gemma 4 reads rope_parameters per layer kind"),
+        "enable_moe_block": KeyRule("refused unless", "false", must_be(
+            False, None, why=f"not built yet: tuneport does not {moe} (26B-A4B)")),
+    }
+
+
 MLX_RULES: dict[str, KeyRule] = {
-    "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
-        "gelu_pytorch_tanh", why="mlx-lm's gemma4_text uses tanh-GELU")),
-    "attention_bias": KeyRule("refused unless", "false", must_be(
-        False, None, why="mlx-lm's gemma4_text has no attention biases")),
-    "use_bidirectional_attention": KeyRule("refused unless", "none or vision", must_be(
-        None, "vision", why="mlx-lm runs Gemma 4's text causally")),
+    **hard_coded_rules("mlx-lm's gemma4_text", "stack Gemma 4's experts for mlx-lm"),
     "per_layer_config": KeyRule("carried", "as global_head_dim and num_global_key_value_heads"),
-    "rope_theta": KeyRule("inert", "Gemma 4 reads rope_parameters per layer kind"),
-    "enable_moe_block": KeyRule("refused unless", "false", must_be(
-        False, None, why="not built yet: tuneport does not stack Gemma 4's experts for mlx-lm (26B-A4B)")),
 }
 
 
@@ -194,24 +203,16 @@ GEMMA4_GGUF_RULES: dict[str, KeyRule] = {
     "num_global_key_value_heads": KeyRule("carried", "attention.head_count_kv of the full layers (with k_eq_v)"),
     "per_layer_config": KeyRule("carried", "the full layers' head size and KV heads (transformers 5.19's layout)"),
     "hidden_act": KeyRule("inert", "Gemma 4 reads hidden_activation"),
-    "hidden_activation": KeyRule("refused unless", "gelu_pytorch_tanh", must_be(
-        "gelu_pytorch_tanh", why="llama.cpp's Gemma 4 graph uses tanh-GELU")),
-    "attention_bias": KeyRule("refused unless", "false", must_be(
-        False, None, why="llama.cpp's Gemma 4 graph has no attention biases")),
-    "use_bidirectional_attention": KeyRule("refused unless", "none or vision", must_be(
-        None, "vision", why="llama.cpp runs Gemma 4's text causally")),
+    **hard_coded_rules("llama.cpp's Gemma 4 graph", "write Gemma 4's mixture-of-experts block"),
     "sliding_window": KeyRule("carried", "attention.sliding_window"),
     "layer_types": KeyRule("carried", "attention.sliding_window_pattern (one flag per layer)", _layer_kinds),
     "rope_parameters": KeyRule("carried", "rope.freq_base (full), rope.freq_base_swa, the rope_freqs tensor", _rope),
-    "rope_theta": KeyRule("inert", "Gemma 4 reads rope_parameters per layer kind"),
     "final_logit_softcapping": KeyRule("carried", "final_logit_softcapping (0 for none)"),
     "num_kv_shared_layers": KeyRule("carried", "attention.shared_kv_layers", _kv_sharing),
     "use_double_wide_mlp": KeyRule("carried", "feed_forward_length per layer"),
     "hidden_size_per_layer_input": KeyRule("carried", "embedding_length_per_layer_input"),
     "vocab_size_per_layer_input": KeyRule("carried", "per_layer_token_embd's rows", _ple_vocab),
     "attention_k_eq_v": KeyRule("carried", "no attn_v on the full layers: llama.cpp takes their keys as values"),
-    "enable_moe_block": KeyRule("refused unless", "false", must_be(
-        False, None, why="not built yet: tuneport does not write Gemma 4's mixture-of-experts block (26B-A4B)")),
     **dict.fromkeys(("num_experts", "top_k_experts", "moe_intermediate_size", "expert_intermediate_size"),
                     KeyRule("inert", "read only with enable_moe_block")),
     "partial_rotary_factor": KeyRule("refused unless", "none", must_be(

@@ -120,8 +120,8 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
         lora["target_modules"] = LANGUAGE_MODEL_LINEARS  # a multimodal model: the language model's linears
     if (towers := TOWERS.get(model.config.model_type)) and not lora.get("exclude_modules"):
         lora["exclude_modules"] = towers
-    if lora.get("target_modules") == "all-linear" and any(n.endswith(NO_ENGINE_LORA) for n, _ in
-                                                           model.named_modules()):
+    if lora.get("target_modules") == "all-linear" and not lora.get("exclude_modules") and any(
+            n.endswith(NO_ENGINE_LORA) for n, _ in model.named_modules()):
         lora["exclude_modules"] = list(NO_ENGINE_LORA)  # every linear the engines adapt (the rest: refused, merged)
     peft_model = get_peft_model(model, LoraConfig(**lora))
     _randomize(peft_model, seed)
