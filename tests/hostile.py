@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -296,7 +297,9 @@ def chunked_under(target: Target) -> tuple[str, float, str]:
 def chunked_flood(target: Target, total: int = 400 * MIB, model: str | None = None,
                   from_start: bool = False) -> tuple[str, float, str]:
     """``total`` bytes offered as a chunked body (a JSON prompt that never ends), sent until the answer comes;
-    ms: from the moment the bytes sent passed the limit (``from_start``: from the first byte) to the answer."""
+    ms: from the moment the bytes sent passed the limit (``from_start``: from the first byte) to the answer.
+    The sender looks for the answer before each piece, so "sent" is what the server took in before it answered,
+    not what a busy machine let through before the reading thread ran (the server drains a refused body)."""
     piece = b"a" * 65536
     total = min(total, target.flood_cap or total)
     sent, passed, answer = 0, [None], {}
@@ -309,6 +312,8 @@ def chunked_flood(target: Target, total: int = 400 * MIB, model: str | None = No
             prefix = json.dumps({"model": model or target.model, "max_tokens": 1})[:-1] + ', "prompt": "'
             sock.sendall(head("POST", "/v1/completions", chunked=True) + chunk(prefix.encode()))
             while sent < total and not done.is_set():
+                if select.select([sock], [], [], 0)[0]:  # the answer (or the close) is there: stop offering
+                    break
                 sock.sendall(chunk(piece))
                 sent += len(piece)
                 if passed[0] is None and sent > target.max_body:
