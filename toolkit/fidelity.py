@@ -107,16 +107,19 @@ def llamacpp_greedy(path: Path | str, lora: Path | str | None, prompt: list[int]
 
 def llamacpp_model(path: Path | str, lora: Path | str | None = None, n_ctx: int = 128, n_gpu_layers: int = 0):
     """llama.cpp (llama-cpp-python) set up for parity runs: F32 KV cache, flash attention off, logits for every
-    position; ``n_gpu_layers`` as llama.cpp takes it (-1: all, see convert.gguf.gpu). Close it with ``.close()``."""
+    position; ``n_gpu_layers`` as llama.cpp takes it (-1: all, see convert.gguf.gpu); as many threads as ``tuneport
+    serve`` gives llama.cpp (the physical cores this process may use; it was 2 whatever the machine). Close it with
+    ``.close()``."""
     import llama_cpp
 
     from tuneport.convert.gguf.runtime import llamacpp_logging
+    from tuneport.serve.engines.llamacpp_state import physical_cores
 
     with llamacpp_logging():
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                                type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
                                n_gpu_layers=n_gpu_layers, lora_path=str(lora) if lora else None, verbose=False,
-                               n_threads=2)
+                               n_threads=physical_cores())
 
 
 def llamacpp_logits(llm, ids: list[int]) -> torch.Tensor:
