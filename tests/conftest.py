@@ -28,7 +28,7 @@ if (_worker := os.environ.get("PYTEST_XDIST_WORKER", "")).startswith("gw") and h
 # torch's threads in this process: the cores shared among the xdist workers, one each under `make test`'s two. Two
 # workers' torch teams of 2 threads on 2 cores spin at their barriers waiting for a thread the other worker's team holds
 # off its core: measured on this module set (merge equivalence, MLX export, real configs), 150-175 s with 2 threads
-# each, 76-92 s with 1.
+# each, 73-92 s with 1.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
