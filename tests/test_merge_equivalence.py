@@ -78,8 +78,9 @@ UNBUILDABLE = {
 }
 # PEFT 0.22 fuses Qwen2-MoE's expert projections as it does Qwen3-MoE's (its _MOE_FUSED_TARGETS), so the same variants
 # have no PEFT reference there; with PEFT 0.21 they are built and compared
-if _version.parse(_metadata.version("peft")) >= _version.parse("0.22"):
-    UNBUILDABLE.update({("qwen2_moe", v): f"PEFT {_metadata.version('peft')} {why.removeprefix('PEFT ')}"
+PEFT_VERSION = _metadata.version("peft")
+if _version.parse(PEFT_VERSION) >= _version.parse("0.22"):
+    UNBUILDABLE.update({("qwen2_moe", v): f"PEFT {PEFT_VERSION} {why.removeprefix('PEFT ')}"
                         for (a, v), why in list(UNBUILDABLE.items()) if a == "qwen3_moe"})
 
 
