@@ -305,7 +305,8 @@ class Checkpoint:
         return self._load_pickle(self.path / fname)[source].clone()
 
     def _read_strided(self, fname: str, source: str, rows: ExpertRows) -> torch.Tensor:
-        """One expert's gate, up or down projection (or bias) of gpt-oss's fused layout; MXFP4 blocks decoded."""
+        """One expert's gate, up or down projection (or bias) of a fused [in, out] layout (gpt-oss, Llama 4); MXFP4
+        blocks decoded."""
         def expert_slice(file: str, name: str) -> torch.Tensor:
             if self.format == "safetensors":
                 shape = self._files[file].tensors[name].shape
@@ -313,10 +314,11 @@ class Checkpoint:
             return self._load_pickle(self.path / file)[name][rows.expert]
 
         t = expert_slice(fname, source)
-        t = (t.T if rows.transposed else t)[rows.row::rows.step]
+        kept = slice(rows.row, rows.row + rows.rows * rows.step, rows.step)
+        t = (t.T if rows.transposed else t)[kept]
         if rows.scales:  # the scales may lie in another shard than their blocks
             scales = expert_slice(self._companions[rows.scales], self._stored.get(rows.scales, rows.scales))
-            t = decode_mxfp4(t, scales[rows.row::rows.step], torch.bfloat16)
+            t = decode_mxfp4(t, scales[kept], torch.bfloat16)
         return t.contiguous()
 
     @property

@@ -103,10 +103,13 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
     inter, hidden = gate
     shapes = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # (in, out) per expert
     wanted = [t.rsplit(".", 1)[-1] for t in adapter.config.get("target_parameters") or []]
-    # gpt-oss keeps its experts [E, in, out] in memory, which PEFT's layout (old and new alike) never swaps
-    layouts = (False,) if layout.interleaved_in_out else _layouts(adapter)
+    # experts kept [E, in, out] in memory (gpt-oss, Llama 4): PEFT's layout follows transformers' is_transposed mark,
+    # not its version (ExpertLayout.peft_transposed)
+    layouts = (False, True) if layout.stored_in_out else _layouts(adapter)
     fits = [(f, transposed) for f in FUSED if f in wanted for transposed in layouts
             if (shapes[f][::-1] if transposed else shapes[f]) == (A.shape[1], B.shape[0])]
+    if layout.stored_in_out and len(fits) == 2 and len({f for f, _ in fits}) == 1:  # a square projection
+        fits = [(f, t) for f, t in fits if t == layout.peft_transposed]
     if len(fits) != 1 or A.shape[0] % n_experts:
         if len({f for f, _ in fits}) == 1 and len(fits) == 2:
             raise UserError(f"adapter {adapter.name}: PEFT's layout of the LoRA on {p.container} cannot be told from "
@@ -126,7 +129,7 @@ def _split(adapter: Adapter, p: ParamLora, arch: ArchSpec, layout: ExpertLayout,
         a, b = a3[e].contiguous(), b3[:, :, e].contiguous()
         if transposed:  # delta = (B_e A_e)ᵀ = A_eᵀ B_eᵀ: a LoRA with A' = B_eᵀ, B' = A_eᵀ
             a, b = b.T.contiguous(), a.T.contiguous()
-        halves = (b[0::2], b[1::2]) if layout.interleaved_in_out else (b[:inter], b[inter:])
+        halves = (b[0::2], b[1::2]) if layout.interleaved_gate_up else (b[:inter], b[inter:])
         parts = ({layout.gate: halves[0], layout.up: halves[1]} if fused == "gate_up_proj" else {layout.down: b})
         out += [LoraModule(f"{disk}.experts.{e}.{proj}", "linear", a, part.contiguous(), rank, alpha, scale)
                 for proj, part in parts.items()]
@@ -148,8 +151,8 @@ def expert_bias(arch: ArchSpec) -> re.Pattern | None:
 def disk_shapes(arch: ArchSpec, memory: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes a checkpoint stores for a model whose transformers 5 state dict has
     ``memory`` (fused experts split per expert, the router under its disk block); dense models unchanged."""
-    if arch.experts is not None and arch.experts.interleaved_in_out:
-        return memory  # gpt-oss stores its experts as transformers holds them
+    if arch.experts is not None and arch.experts.stored_in_out:
+        return memory  # gpt-oss and Llama 4 store their experts as transformers holds them
     views = fused_views(arch, memory)
     if not views:
         return memory

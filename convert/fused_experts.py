@@ -27,16 +27,16 @@ class ExpertRows:
     row: int = 0
     rows: int = 0
     first: int = 0
-    # gpt-oss (``ExpertLayout.interleaved_in_out``): the expert's whole slice is read, transposed to [out, in]
-    # where stored [in, out], and every ``step``-th row from ``row`` kept; ``scales``: the slice is MXFP4 blocks,
-    # decoded with the same rows of this tensor
+    # gpt-oss and Llama 4 (``ExpertLayout.stored_in_out``): the expert's whole slice is read, transposed to
+    # [out, in] where stored [in, out], and ``rows`` rows kept from ``row``, every ``step``-th (gpt-oss's
+    # interleaved gate and up: 2); ``scales``: the slice is MXFP4 blocks, decoded with the same rows of this tensor
     transposed: bool = False
     step: int = 1
     scales: str | None = None
 
     @property
     def strided(self) -> bool:
-        """Read whole and cut (gpt-oss), not as one contiguous run of rows."""
+        """Read whole and cut (gpt-oss, Llama 4), not as one contiguous run of rows."""
         return self.transposed or self.step > 1 or self.scales is not None
 
 
@@ -50,8 +50,8 @@ def fused_views(arch: ArchSpec | None, shapes: dict[str, tuple[int, ...]]) -> Fu
     layout = arch.experts if arch is not None else None
     if layout is None:
         return {}
-    if layout.interleaved_in_out:
-        return _interleaved_views(layout, shapes)
+    if layout.stored_in_out:
+        return _in_out_views(layout, shapes)
     fused = re.compile(
         rf"^(.*\.\d+)\.{layout.memory_block}\.(experts\.(gate_up_proj|down_proj)|{layout.router}\.weight)$")
     out: FusedViews = {}
@@ -74,9 +74,9 @@ def fused_views(arch: ArchSpec | None, shapes: dict[str, tuple[int, ...]]) -> Fu
     return out
 
 
-def _interleaved_views(layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> FusedViews:
-    """gpt-oss's fused experts (weights, biases, MXFP4 blocks) as one tensor per expert, gate and up apart; the
-    MXFP4 scales are read with their blocks (no name of their own)."""
+def _in_out_views(layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> FusedViews:
+    """Experts stored fused [E, in, out] (gpt-oss's weights, biases, MXFP4 blocks; Llama 4's weights) as one
+    tensor per expert, gate and up apart; the MXFP4 scales are read with their blocks (no name of their own)."""
     fused = re.compile(
         rf"^(.*\.\d+)\.{layout.memory_block}\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
     out: FusedViews = {}
@@ -96,12 +96,16 @@ def _interleaved_views(layout: ExpertLayout, shapes: dict[str, tuple[int, ...]])
             rows, tail = shape[2], (shape[1],)
         else:  # [E, out]
             rows, tail = shape[1], ()
-        parts = ((layout.gate, 0, 2), (layout.up, 1, 2)) if m[2] == "gate_up_proj" else ((layout.down, 0, 1),)
+        half = rows // 2
+        parts = ((((layout.gate, 0, 2), (layout.up, 1, 2)) if layout.interleaved_gate_up
+                  else ((layout.gate, 0, 1), (layout.up, half, 1))) if m[2] == "gate_up_proj"
+                 else ((layout.down, 0, 1),))
         suffix = "bias" if kind == "_bias" else "weight"
-        out[name] = [(f"{m[1]}.{layout.disk_block}.experts.{e}.{proj}.{suffix}", (rows // step, *tail),
-                      ExpertRows(name, e, row, rows // step, first=e * per_expert, transposed=kind == "", step=step,
+        out[name] = [(f"{m[1]}.{layout.disk_block}.experts.{e}.{proj}.{suffix}", (r, *tail),
+                      ExpertRows(name, e, row, r, first=e * per_expert, transposed=kind == "", step=step,
                                  scales=name.removesuffix("_blocks") + "_scales" if kind == "_blocks" else None))
-                      for e in range(n) for proj, row, step in parts]
+                      for e in range(n) for proj, row, step in parts
+                      for r in (rows if m[2] == "down_proj" else half,)]
     return out
 
 
@@ -114,8 +118,8 @@ def fuse_to_memory(arch: ArchSpec | None, tensors: dict) -> dict:
     layout = arch.experts if arch is not None else None
     if layout is None:
         return tensors
-    if layout.interleaved_in_out:
-        return _fuse_interleaved(layout, tensors)
+    if layout.stored_in_out:
+        return _fuse_in_out(layout, tensors)
     # with a layer prefix, or relative to a layer
     per_expert = re.compile(rf"^(.*\.)?{layout.disk_block}\.experts\.(\d+)\.(\w+)\.weight$")
     router = re.compile(rf"^(.*\.)?{layout.disk_block}\.{layout.router}\.weight$")
@@ -136,9 +140,10 @@ def fuse_to_memory(arch: ArchSpec | None, tensors: dict) -> dict:
     return out
 
 
-def _fuse_interleaved(layout: ExpertLayout, tensors: dict) -> dict:
-    """Per-expert tensors back into gpt-oss's fused layout (the inverse of :func:`_interleaved_views`): weights
-    ``[E, in, out]`` with the gate and up columns interleaved, biases ``[E, out]``."""
+def _fuse_in_out(layout: ExpertLayout, tensors: dict) -> dict:
+    """Per-expert tensors back into the fused [in, out] layout (the inverse of :func:`_in_out_views`): weights
+    ``[E, in, out]`` with the gate and up columns interleaved (gpt-oss) or as two halves (Llama 4), biases
+    ``[E, out]``."""
     import torch
 
     per_expert = re.compile(rf"^(.*\.)?{layout.disk_block}\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -153,8 +158,9 @@ def _fuse_interleaved(layout: ExpertLayout, tensors: dict) -> dict:
         prefix = f"{layer}{layout.memory_block}.experts"
         for kind, suffix in (("weight", ""), ("bias", "_bias")):
             if (0, layout.gate, kind) in parts:
-                gate_up = torch.stack([torch.stack([parts[e, layout.gate, kind], parts[e, layout.up, kind]], dim=1)
-                                       .flatten(0, 1) for e in range(n)])  # rows gate0, up0, gate1, ...
+                pairs = [(parts[e, layout.gate, kind], parts[e, layout.up, kind]) for e in range(n)]
+                gate_up = torch.stack([torch.stack(p, dim=1).flatten(0, 1) if layout.interleaved_gate_up
+                                       else torch.cat(p) for p in pairs])  # rows gate0, up0, gate1, ... or halves
                 out[f"{prefix}.gate_up_proj{suffix}"] = gate_up.transpose(1, 2) if kind == "weight" else gate_up
             if (0, layout.down, kind) in parts:
                 down = torch.stack([parts[e, layout.down, kind] for e in range(n)])
@@ -163,14 +169,15 @@ def _fuse_interleaved(layout: ExpertLayout, tensors: dict) -> dict:
 
 
 class DiskFuser:
-    """Writes per-expert tensors (what readers see) in a checkpoint layout that keeps experts fused (gpt-oss): each
-    fused tensor is planned where its last part comes and produced once all its parts have; other tensors pass."""
+    """Writes per-expert tensors (what readers see) in a checkpoint layout that keeps experts fused (gpt-oss,
+    Llama 4): each fused tensor is planned where its last part comes and produced once all its parts have; other
+    tensors pass."""
 
     def __init__(self, arch: ArchSpec | None, specs: list[TensorMeta]) -> None:
         import torch
 
         layout = arch.experts if arch is not None else None
-        self.layout = layout if layout is not None and layout.interleaved_in_out else None
+        self.layout = layout if layout is not None and layout.stored_in_out else None
         self.pending: dict[str, dict[str, object]] = {}  # fused name -> its parts so far
         self.parts_of: dict[str, str] = {}  # per-expert name -> the fused tensor it is part of
         self.count: dict[str, int] = {}
@@ -193,7 +200,7 @@ class DiskFuser:
             elif s.name in last:
                 fused = last[s.name]
                 members = groups[fused]
-                meta = _fuse_interleaved(self.layout, {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta")
+                meta = _fuse_in_out(self.layout, {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta")
                                                        for m in members})[fused]
                 self.specs.append(TensorMeta(fused, s.dtype, tuple(meta.shape)))
                 self.count[fused] = len(members)
@@ -208,4 +215,4 @@ class DiskFuser:
         if len(parts) < self.count[fused]:
             return []
         del self.pending[fused]
-        return list(_fuse_interleaved(self.layout, parts).items())  # type: ignore[arg-type]
+        return list(_fuse_in_out(self.layout, parts).items())  # type: ignore[arg-type]

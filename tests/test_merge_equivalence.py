@@ -44,7 +44,9 @@ MOE_UNREFERENCED = {("qwen2_moe", "per_expert"): "PEFT 0.21 drops a per-expert a
                     **{(a, "per_expert"): "PEFT 0.21 drops a per-expert adapter's expert weights on Qwen3.5-MoE (its "
                        "target names match the shared expert first)" for a in ("qwen3_5_moe_text", "qwen3_5_moe")},
                     ("gpt_oss", "per_expert"): "gpt-oss came out with its experts fused (transformers 4.55 too): no "
-                                               "per-expert adapter of it exists"}
+                                               "per-expert adapter of it exists",
+                    ("llama4_text", "per_expert"): "Llama 4 came out with its experts fused (transformers 4.51 too): "
+                                                   "no per-expert adapter of it exists"}
 
 
 def moe_cases(archs: list[str], variants=tuple(MOE_VARIANTS)) -> list:

@@ -1,7 +1,7 @@
 """gpt-oss (OpenAI's open-weight MoE): biased attention with a learned sink logit per head, every other layer a
 128-token sliding window, YaRN (untruncated), and a routed mixture of experts (softmax over the top-k router logits)
 whose experts carry biases and a clamped SwiGLU (``(clamp(up, ±7) + 1) · g · sigmoid(1.702 g)``, ``g = min(gate,
-7)``). Its experts are stored fused (``ExpertLayout.interleaved_in_out``), as released in MXFP4."""
+7)``). Its experts are stored fused (``ExpertLayout.stored_in_out``, gate and up interleaved), as released in MXFP4."""
 
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, SLIDING, GGUFArch
@@ -26,7 +26,8 @@ ARCH = ArchSpec(
     linear_modules=ATTENTION_LINEARS,  # the experts' projections through ExpertLayout
     vllm_lora_modules=ATTENTION_LINEARS,
     reference_attention="eager",  # transformers' sdpa does not take the sinks (it refuses to load)
-    experts=ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj", router="router", interleaved_in_out=True),
+    experts=ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj", router="router", stored_in_out=True,
+                         interleaved_gate_up=True),
     notes=("attention sinks (a learned logit per head); every other layer a sliding window; YaRN",
            "mixture of experts with biased experts and a clamped SwiGLU, stored fused (gate and up interleaved); "
            "MXFP4 experts read exactly as the bfloat16 values they decode to"),

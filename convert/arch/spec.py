@@ -33,11 +33,17 @@ class ExpertLayout:
     expert_count_keys: tuple[str, ...] = ("num_local_experts", "num_experts")
     memory_block: str = "mlp"  # the block's name in transformers 5's module tree
     router: str = "gate"  # the router (a [E, H] linear) inside the block, both in memory and on disk
-    # gpt-oss's layout, in memory and on disk alike: ``experts.gate_up_proj [E, H, 2I]`` ([in, out], the gate and up
-    # columns interleaved), ``down_proj [E, I, H]``, each with a bias (``gate_up_proj_bias [E, 2I]``), or the two
-    # weights as MXFP4 ``_blocks`` / ``_scales`` ([E, out, in / 32, 16], [E, out, in / 32]). Readers still see one
-    # tensor per expert (``experts.{e}.gate_proj.weight`` and ``.bias``); the merged checkpoint is written fused again.
-    interleaved_in_out: bool = False
+    # gpt-oss's and Llama 4's layout, in memory and on disk alike: ``experts.gate_up_proj [E, H, 2I]`` ([in, out]),
+    # ``down_proj [E, I, H]``; gpt-oss's with a bias each (``gate_up_proj_bias [E, 2I]``) or the two weights as MXFP4
+    # ``_blocks`` / ``_scales`` ([E, out, in / 32, 16], [E, out, in / 32]). Readers still see one tensor per expert
+    # (``experts.{e}.gate_proj.weight`` and ``.bias``); the merged checkpoint is written fused again.
+    stored_in_out: bool = False
+    # the gate and up columns of ``gate_up_proj`` interleaved (gpt-oss), not its two halves (Llama 4)
+    interleaved_gate_up: bool = False
+    # PEFT's LoRA on the fused [E, in, out] parameters is transposed (delta = (B A)ᵀ of the weight): PEFT takes a 3-D
+    # parameter for [E, out, in] unless transformers marks its experts ``is_transposed`` (gpt-oss's; Llama 4's not).
+    # Told from the shapes where they differ; this where they cannot (square projections)
+    peft_transposed: bool = False
 
     def expert_count(self, config: dict) -> int:
         """Experts per layer: from ``config``, or a multimodal checkpoint's ``text_config``."""

@@ -207,5 +207,8 @@ class MlxArch:
         return getattr(importlib.import_module(f"mlx_lm.models.{module}"), name)
     weight_prefix: str = ""  # where the model's modules sit in mlx-lm's tree (a wrapper's "language_model.")
     model_type: str | None = None  # the model_type mlx-lm knows it by, where it differs from transformers'
+    # mlx-lm runs the text model only inside its multimodal wrapper (Llama 4's ``llama4``): the config is written
+    # nested (``{"model_type": model_type, "text_config": {...}}``) and the weights under ``weight_prefix``
+    wrapper: bool = False
     # config keys the config fixes translate into fields mlx-lm reads (the audit's rules for them)
     fixed_rules: Mapping[str, KeyRule] = field(default_factory=lambda: MappingProxyType({}))

@@ -70,6 +70,7 @@ class _Layout:
     def __init__(self, plan: MergePlan, march: MlxArch, dtype: torch.dtype, qplan: QuantPlan | None,
                  tied: bool) -> None:
         self.plan, self.dtype, self.qplan = plan, dtype, qplan
+        self.prefix = march.weight_prefix if march.wrapper else ""  # every tensor's name, as written
         self.sources: list[TensorMeta] = []
         self.specs: list[TensorMeta] = []
         self.quantized: dict[str, dict] = {}  # module -> params
@@ -142,7 +143,15 @@ def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_sh
             return
         yield from emit(spec.name.removesuffix(".weight"), spec.name, t)
 
-    return write_tensors(out, layout.specs, layout.sources, produce, max_shard_bytes=max_shard_bytes,
+    if not layout.prefix:
+        return write_tensors(out, layout.specs, layout.sources, produce, max_shard_bytes=max_shard_bytes,
+                             progress=progress, metadata={"format": "mlx"})
+
+    def produce_prefixed(spec: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((layout.prefix + name, t) for name, t in produce(spec))
+
+    specs = [TensorMeta(layout.prefix + s.name, s.dtype, s.shape) for s in layout.specs]
+    return write_tensors(out, specs, layout.sources, produce_prefixed, max_shard_bytes=max_shard_bytes,
                          progress=progress, metadata={"format": "mlx"})
 
 
@@ -242,6 +251,9 @@ def export_mlx(opts: ExportOptions, progress: Progress | None = None) -> ExportR
             cfg["quantization"] = {march.weight_prefix + k if isinstance(v, dict) else k: v
                                    for k, v in qplan.config(layout.quantized).items()}
             cfg["quantization_config"] = cfg["quantization"]
+        if march.wrapper:  # the text model's config nested, as mlx-lm's wrapper reads it
+            top = {k: cfg.pop(k) for k in ("quantization", "quantization_config") if k in cfg}
+            cfg = {"model_type": cfg["model_type"], "text_config": {**cfg, "model_type": arch.model_type}, **top}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         copy_side_files(plan, tmp)
         adapter_dirs = []

@@ -15,6 +15,9 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 TOWERS = {"gemma4": r".*(vision_tower|audio_tower|embed_vision|embed_audio).*"}
 # Gemma 4's per-layer-input projection (a linear PEFT's all-linear takes): llama.cpp multiplies by it without LoRA
 NO_ENGINE_LORA = ("per_layer_model_projection",)
+# Llama 4's router is a linear whose forward returns (scores, logits): PEFT 0.22 wraps it under all-linear and then
+# fails in forward ("'tuple' object has no attribute 'dtype'"), so real Llama 4 adapters name their targets
+NO_PEFT_LORA = ("feed_forward.router",)
 LANGUAGE_MODEL_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
@@ -123,6 +126,13 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
     if lora.get("target_modules") == "all-linear" and not lora.get("exclude_modules") and any(
             n.endswith(NO_ENGINE_LORA) for n, _ in model.named_modules()):
         lora["exclude_modules"] = list(NO_ENGINE_LORA)  # every linear the engines adapt (the rest: refused, merged)
+    if lora.get("target_modules") == "all-linear" and any(n.endswith(NO_PEFT_LORA) for n, _ in model.named_modules()):
+        lora["exclude_modules"] = [*lora.get("exclude_modules", ()), *NO_PEFT_LORA]
+    if lora.get("target_parameters"):  # the MoE block's name in memory (Llama 4's feed_forward, not mlp)
+        from ...convert.arch import arch_for
+
+        block = arch_for(model.config.model_type).experts.memory_block
+        lora["target_parameters"] = [t.replace("mlp.", f"{block}.", 1) for t in lora["target_parameters"]]
     peft_model = get_peft_model(model, LoraConfig(**lora))
     _randomize(peft_model, seed)
     if customize:

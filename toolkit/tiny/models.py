@@ -133,6 +133,14 @@ TINY_ARCHS: dict[str, TinyArch] = {
     # Gemma 4 as released (Gemma4ForConditionalGeneration): the text model above and a tiny vision tower, tied
     "gemma4": TinyArch("gemma4", "Gemma4Config", "sentencepiece", GEMMA4_TEXT, always_tied=True,
                        text_config_class="Gemma4TextConfig"),
+    # Llama 4 Maverick's interleaving in 4 layers (dense, MoE, dense, MoE; the 4th without RoPE) with Scout's
+    # choices: 4 experts, 1 per token, a shared expert as wide as one, q/k norms, llama3 RoPE scaling (factor 16, the
+    # original context 64 positions so that it changes the tests' sequences, rope_theta 500000)
+    "llama4_text": TinyArch("llama4_text", "Llama4TextConfig", "bpe", (
+        ("num_hidden_layers", 4), ("head_dim", 32), ("num_local_experts", 4), ("num_experts_per_tok", 1),
+        ("intermediate_size", 64), ("intermediate_size_mlp", 256), ("interleave_moe_layer_step", 2),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))),
     # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
     "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
         ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
