@@ -32,6 +32,7 @@ from .vllm_rules import (
     round_lora_rank,
     vllm_config_refusal,
     vllm_config_updates,
+    vllm_generation_updates,
 )
 
 LAUNCH_JSON = "vllm_launch.json"
@@ -145,6 +146,16 @@ def copy_base(ckpt: Checkpoint, out: Path, progress: Progress | None) -> None:
             progress(done, total, f.name)
 
 
+def update_generation_config(model_dir: Path, config: dict) -> list[str]:
+    """generation_config.json in ``model_dir`` with the keys vLLM reads model settings from (``vllm_rules``); notes."""
+    if not (updates := vllm_generation_updates(config)):
+        return []
+    path = model_dir / "generation_config.json"
+    current = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**current, **updates}, indent=2))
+    return [f"generation_config.json: {k} set, as vLLM reads it there" for k in updates]
+
+
 def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> ExportResult:
     """Write a bundle vLLM serves as is: the merged model, or the base plus one directory per adapter."""
     ckpt, loaded = open_inputs(opts, "vllm")
@@ -163,6 +174,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
         plan.notes += [f"config.json: {k} set, as vLLM reads it" for k in updates]
         with atomic_dir(opts.out, force=opts.force) as tmp:
             hashes = write_merged(plan, tmp, opts.max_shard_bytes, progress, rename=vllm_renamer(ckpt))
+            plan.notes += update_generation_config(tmp, plan.config)
             load_check = check_hf_dir(tmp)
             write_launch(tmp, launch_args(".", served, adapters={}, max_rank=0, dtype=vllm_dtype))
             manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
@@ -188,6 +200,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
             if updates:
                 config = json.loads((base_dir / "config.json").read_text())
                 (base_dir / "config.json").write_text(json.dumps({**config, **updates}, indent=2))
+        generation_notes = update_generation_config(base_dir, ckpt.config)
         paths = {}
         for w, pf in zip(loaded, results, strict=True):
             write_vllm_adapter(w.adapter, pf, tmp / "adapters" / w.adapter.name)
@@ -199,6 +212,7 @@ def export_vllm(opts: ExportOptions, progress: Progress | None = None) -> Export
                                                      {t: src for pf in results for t, src in pf.copies.items()})}
         manifest = write_manifest(tmp, "vllm", input_entries(ckpt, loaded),
                                   {"adapters": "separate", "max_lora_rank": max_rank, "dtype": opts.dtype,
-                                   "notes": [f"config.json: {k} set, as vLLM reads it" for k in updates]},
+                                   "notes": [f"config.json: {k} set, as vLLM reads it" for k in updates]
+                                   + generation_notes},
                                   extra={"fixes": fixes, "load_check": load_check})
     return ExportResult(opts.out, "vllm", manifest, notes=[serve_note], fixes={k: v for k, v in fixes.items() if v})

@@ -67,6 +67,23 @@ def lfm2_dims(config: dict) -> dict:
 VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling, "lfm2": lfm2_dims}
 
 
+def llama4_temperature(config: dict) -> dict:
+    """vLLM 0.32's Llama 4 takes ``attn_temperature_tuning`` from generation_config.json alone and, without it there,
+    turns the query temperature of the layers without RoPE on only when max_model_len > 32768; transformers applies it
+    whenever config.json says so (from position 8191 on it changes the logits)."""
+    return {"attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True))}
+
+
+# model_type -> the generation_config.json keys vLLM reads model settings from
+VLLM_GENERATION_FIXES = {"llama4_text": llama4_temperature}
+
+
+def vllm_generation_updates(config: dict) -> dict:
+    """Keys to set in generation_config.json so that vLLM computes what transformers does (none for most models)."""
+    fix = VLLM_GENERATION_FIXES.get(str(config.get("model_type")))
+    return fix(config) if fix else {}
+
+
 def gpt_oss_fixed(config: dict) -> str | None:
     """What vLLM 0.32's GptOssForCausalLM hard-codes instead of reading config.json: RMSNorm eps 1e-5, a sliding
     window on the even layers (layer_types unread), SwiGLU alpha 1.702 and limit 7.0."""

@@ -81,3 +81,24 @@ def test_what_vllm_hard_codes_for_gpt_oss_is_refused(zoo, tmp_path, cli, patch, 
     out = tmp_path / "out"
     code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", out)
     assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err
+
+
+def test_llama4_temperature_reaches_vllm_through_generation_config(zoo, tmp_path, cli):
+    """vLLM 0.32's Llama 4 reads attn_temperature_tuning from generation_config.json only (on by default only past a
+    32768-token max_model_len); transformers from config.json. The bundle's generation_config.json carries it, read
+    as vLLM reads it (GenerationConfig's non-default values), and tuneport serve passes --override-generation-config."""
+    import json
+
+    from transformers import GenerationConfig
+
+    from tuneport.convert.vllm_rules import vllm_generation_updates
+    from tuneport.serve.engines.vllm import VllmLaunch
+
+    base = zoo.base("llama4_text")
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", tmp_path / "b")
+    assert code == 0, err
+    assert GenerationConfig.from_pretrained(tmp_path / "b").to_diff_dict()["attn_temperature_tuning"] is True
+    updates = vllm_generation_updates(json.loads((base / "config.json").read_text()))
+    assert updates == {"attn_temperature_tuning": True} and vllm_generation_updates({"model_type": "llama"}) == {}
+    args = VllmLaunch("m", "m", 16, 1, 1, generation_overrides=updates).args()
+    assert json.loads(args[args.index("--override-generation-config") + 1]) == updates

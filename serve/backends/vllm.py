@@ -25,7 +25,13 @@ from tuneport.convert.export_vllm import VLLM_DTYPES, vllm_renamer, write_vllm_a
 from tuneport.convert.hashing import content_digest
 from tuneport.convert.merge import WeightedAdapter, plan_merge
 from tuneport.convert.options import model_name
-from tuneport.convert.vllm_rules import VLLM_MAX_LORA_RANKS, preflight, round_lora_rank, vllm_config_updates
+from tuneport.convert.vllm_rules import (
+    VLLM_MAX_LORA_RANKS,
+    preflight,
+    round_lora_rank,
+    vllm_config_updates,
+    vllm_generation_updates,
+)
 
 from ..engines.hf_text import tokenizer_file_bound
 from ..engines.vllm import VllmAdapters, VllmLaunch, VllmProcess, VllmRefused, check_extra_args
@@ -110,7 +116,8 @@ class VllmPlan:
             pipeline_parallel_size=opts.pipeline_parallel_size, extra_args=check_extra_args(opts.vllm_args),
             port=opts.engine_port or (opts.port + 1 if opts.port else 0),
             tool_parser=getattr(syntax_in(template_of(self.ckpt.path)), "name", None),
-            hf_overrides=vllm_config_updates(self.ckpt.config))
+            hf_overrides=vllm_config_updates(self.ckpt.config),
+            generation_overrides=vllm_generation_updates(self.ckpt.config))
 
     def _max_lora_rank(self, startup: dict[str, Path]) -> int:
         """``--max-lora-rank``: as given, else the largest rank among the start-up adapters and those in

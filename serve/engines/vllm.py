@@ -43,6 +43,8 @@ class VllmLaunch:
     extra_args: list[str] = field(default_factory=list)
     tool_parser: str | None = None  # the chat template's tool-call syntax: tool_choice auto is enabled with it
     hf_overrides: dict = field(default_factory=dict)  # config keys vLLM needs to compute what transformers does
+    # generation_config.json keys vLLM reads model settings from (Llama 4's attn_temperature_tuning)
+    generation_overrides: dict = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 0
     python: str = sys.executable
@@ -65,6 +67,9 @@ class VllmLaunch:
             a += lora_module_args(self.lora_modules, self.served_name)
         if self.hf_overrides and not any(x.startswith("--hf-overrides") for x in self.extra_args):
             a += ["--hf-overrides", json.dumps(self.hf_overrides)]
+        if self.generation_overrides and not any(x.startswith("--override-generation-config")
+                                                 for x in self.extra_args):
+            a += ["--override-generation-config", json.dumps(self.generation_overrides)]
         if self.tool_parser and not any(x.startswith("--tool-call-parser") for x in self.extra_args):
             a += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
         if not any(x.startswith("--structured-outputs-config") for x in self.extra_args):
