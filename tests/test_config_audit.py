@@ -203,6 +203,23 @@ CASES = [
     Case("granite", "logits_scaling", {"logits_scaling": 0.25}, "parity"),
     Case("smollm3", "no_rope_layers", {"no_rope_layers": [1, 1, 1, 1]}, "refused: every 4th layer"),
     Case("smollm3", "no_rope_layer_interval", {"no_rope_layer_interval": 2}, "refused: every 4th layer"),
+    # Llama 4: the widths and the MoE interleaving carried; what llama.cpp's llama4 graph hard-codes refused
+    Case("llama4_text", "intermediate_size_mlp", {"intermediate_size_mlp": 192}, "parity"),
+    Case("llama4_text", "interleave_moe_layer_step", {"interleave_moe_layer_step": 1}, "parity"),  # Scout's
+    Case("llama4_text", "moe_layers", {"moe_layers": [0, 2]}, "refused: multiple of interleave_moe_layer_step"),
+    # (patched in after the build: transformers derives layer_types from them, which would be refused first)
+    Case("llama4_text", "no_rope_layers", {}, "refused: skips RoPE on every 4th layer",
+         config_patch={"no_rope_layers": [1, 1, 0, 1]}),
+    Case("llama4_text", "no_rope_layer_interval", {}, "refused: skips RoPE on every 4th",
+         config_patch={"no_rope_layer_interval": 2}),
+    Case("llama4_text", "layer_types", {"layer_types": ["full_attention"] * 4},
+         "refused: chunks attention on the RoPE"),
+    Case("llama4_text", "use_qk_norm", {"use_qk_norm": False}, "refused: norms q and k exactly when"),
+    Case("llama4_text", "attention_chunk_size", {"attention_chunk_size": 16}, "refused: by 8192 tokens"),
+    Case("llama4_text", "attn_temperature_tuning", {"attn_temperature_tuning": False}, "refused: scales the queries"),
+    Case("llama4_text", "floor_scale", {"floor_scale": 4}, "refused: scales the queries"),
+    Case("llama4_text", "attn_scale", {"attn_scale": 0.2}, "refused: scales the queries"),
+    Case("llama4_text", "attention_bias", {"attention_bias": True}, "refused: has no attention biases"),
     Case("mixtral", "num_local_experts", {"num_local_experts": 6}, "parity"),
     Case("mixtral", "num_experts_per_tok", {"num_experts_per_tok": 3}, "parity"),
     Case("qwen3_moe", "num_experts", {"num_experts": 6}, "parity",  # real Qwen3-MoE configs' name

@@ -386,6 +386,20 @@ def test_expert_lora_batched_over_stacked_experts_matches_mlx_lm(zoo, tmp_path, 
     assert not bad, bad[:2]
 
 
+def test_chunked_attention_is_refused_at_start_with_what_serves_it(zoo, tmp_path):
+    """Llama 4's RoPE layers attend in chunks, for which mlx-lm keeps a ChunkedKVCache it cannot batch: tuneport serve
+    --engine mlx refuses at start in one line (mlx_lm.server or another engine serves it; its export is proven in
+    tests/test_mlx_export.py, llama.cpp serves it mixed in tests/test_serve_llamacpp.py)."""
+    from tuneport.convert.errors import UserError
+
+    out = tmp_path / "mlx"
+    tuneport.export(base=zoo.base("llama4_text"), target="mlx", out=out)
+    with pytest.raises(UserError, match=r"cannot batch this model's caches \(ChunkedKVCache\)") as e:
+        with tuneport.serve(base=out, engine="mlx", port=0, n_ctx=64):
+            pass
+    assert "another engine" in e.value.hint
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2", "gemma4_text"])
 def test_hybrid_linear_attention_mixed_adapters_match_mlx_lm_alone(zoo, tmp_path, arch):
     """Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per sequence), LFM2 (short

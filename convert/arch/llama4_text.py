@@ -27,8 +27,8 @@ def moe_layers(engine: str):
         step = int(cfg.get("interleave_moe_layer_step") or 1)
         if value is None or list(value) == list(range(step - 1, int(cfg["num_hidden_layers"]), step)):
             return None
-        return (f"{engine} makes every {step}th layer sparse (interleave_moe_layer_step); this model's moe_layers "
-                f"differ: {value}")
+        return (f"{engine} makes a layer sparse when its number (from 1) is a multiple of interleave_moe_layer_step "
+                f"({step}); this model's moe_layers differ: {value}")
     return check
 
 
