@@ -29,8 +29,9 @@ def _written_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _tied_keys(model) -> set[str]:
-    """Weights a checkpoint may leave out because they are tied to another (transformers 4: a list, 5: a dict)."""
-    tied = getattr(model, "_tied_weights_keys", None) or ()
+    """Weights a checkpoint may leave out because they are tied to another (transformers 4: a list, 5: a dict; 5's
+    ``all_tied_weights_keys`` with its submodels' too: Llama 4's lm_head is tied inside its language_model)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ()
     if not getattr(model.config, "tie_word_embeddings", False):
         return set()
     return set(tied.keys() if isinstance(tied, dict) else tied)

@@ -45,8 +45,8 @@ MOE_UNREFERENCED = {("qwen2_moe", "per_expert"): "PEFT 0.21 drops a per-expert a
                        "target names match the shared expert first)" for a in ("qwen3_5_moe_text", "qwen3_5_moe")},
                     ("gpt_oss", "per_expert"): "gpt-oss came out with its experts fused (transformers 4.55 too): no "
                                                "per-expert adapter of it exists",
-                    ("llama4_text", "per_expert"): "Llama 4 came out with its experts fused (transformers 4.51 too): "
-                                                   "no per-expert adapter of it exists"}
+                    **{(a, "per_expert"): "Llama 4 came out with its experts fused (transformers 4.51 too): no "
+                                          "per-expert adapter of it exists" for a in ("llama4_text", "llama4")}}
 
 
 def moe_cases(archs: list[str], variants=tuple(MOE_VARIANTS)) -> list:
@@ -88,7 +88,7 @@ if _version.parse(PEFT_VERSION) >= _version.parse("0.22"):
 
 # Qwen3.5 and Gemma 4 as released differ from their text models (every variant above) in names only: the variants
 # that touch names (embeddings, lm_head, a full tensor, all linears) run on them
-RENAMED_ONLY = dict.fromkeys(("qwen3_5", "qwen3_5_moe", "gemma4"),
+RENAMED_ONLY = dict.fromkeys(("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"),
                              ("all_linear", "embedding", "tied", "modules_to_save"))
 
 

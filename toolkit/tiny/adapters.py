@@ -118,8 +118,8 @@ def make_adapter(base_dir: Path, variant: str, out: Path, seed: int = 1,
         tok.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
         model.resize_token_embeddings(len(tok))
     lora = dict(spec.lora)
-    if lora.get("target_modules") == "all-linear" and hasattr(model, "model") and hasattr(model.model,
-                                                                                           "language_model"):
+    multimodal = (hasattr(model, "model") and hasattr(model.model, "language_model")) or hasattr(model, "vision_model")
+    if lora.get("target_modules") == "all-linear" and multimodal:
         lora["target_modules"] = LANGUAGE_MODEL_LINEARS  # a multimodal model: the language model's linears
     if (towers := TOWERS.get(model.config.model_type)) and not lora.get("exclude_modules"):
         lora["exclude_modules"] = towers

@@ -46,6 +46,16 @@ GEMMA4_TEXT = (
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1000000.0}}))
 
+LLAMA4_TEXT = (
+    ("num_hidden_layers", 4), ("head_dim", 32), ("num_local_experts", 4), ("num_experts_per_tok", 1),
+    ("intermediate_size", 64), ("intermediate_size_mlp", 256), ("interleave_moe_layer_step", 2),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+# Llama 4's vision tower, tiny (head size 32, 8-pixel patches; its output projected to the text model's width)
+LLAMA4_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "image_size": 32, "patch_size": 8, "vision_output_dim": 64, "projector_input_dim": 64,
+                 "projector_output_dim": 64}
+
 TINY_ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("llama", "LlamaConfig", "sentencepiece"),
     "mistral": TinyArch("mistral", "MistralConfig", "sentencepiece", (("sliding_window", None),)),
@@ -136,11 +146,9 @@ TINY_ARCHS: dict[str, TinyArch] = {
     # Llama 4 Maverick's interleaving in 4 layers (dense, MoE, dense, MoE; the 4th without RoPE) with Scout's
     # choices: 4 experts, 1 per token, a shared expert as wide as one, q/k norms, llama3 RoPE scaling (factor 16, the
     # original context 64 positions so that it changes the tests' sequences, rope_theta 500000)
-    "llama4_text": TinyArch("llama4_text", "Llama4TextConfig", "bpe", (
-        ("num_hidden_layers", 4), ("head_dim", 32), ("num_local_experts", 4), ("num_experts_per_tok", 1),
-        ("intermediate_size", 64), ("intermediate_size_mlp", 256), ("interleave_moe_layer_step", 2),
-        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))),
+    "llama4_text": TinyArch("llama4_text", "Llama4TextConfig", "bpe", LLAMA4_TEXT),
+    # Llama 4 as released (Llama4ForConditionalGeneration): the text model above and a tiny vision tower
+    "llama4": TinyArch("llama4", "Llama4Config", "bpe", LLAMA4_TEXT, text_config_class="Llama4TextConfig"),
     # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
     "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
         ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
@@ -225,6 +233,11 @@ def make_base(
             config.pad_token_id = 0
         vision = transformers.Gemma4VisionConfig(**GEMMA4_VISION)
         config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                            tie_word_embeddings=config.tie_word_embeddings)
+        model_class = transformers.AutoModelForImageTextToText
+    elif spec.model_type == "llama4":  # Llama 4 as released: a tiny vision tower
+        vision = transformers.Llama4VisionConfig(**LLAMA4_VISION)
+        config = config_cls(text_config=config.to_dict(), vision_config=vision.to_dict(),
                             tie_word_embeddings=config.tie_word_embeddings)
         model_class = transformers.AutoModelForImageTextToText
     elif spec.text_config_class:  # Qwen3.5 as released: a tiny vision tower (AutoModelForCausalLM: the text model)

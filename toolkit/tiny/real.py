@@ -18,18 +18,20 @@ from tuneport.convert.arch.exaone4 import WINDOW_DEPTH
 from tuneport.convert.stored.mxfp4 import decode as decode_mxfp4
 from tuneport.convert.stored.mxfp4 import encode as encode_mxfp4
 
-from .models import GEMMA4_VISION, QWEN3_5_VISION, TINY_ARCHS, _write_image_processor
+from .models import GEMMA4_VISION, LLAMA4_VISION, QWEN3_5_VISION, TINY_ARCHS, _write_image_processor
 from .tokenizers import TOKENIZER_WRITERS
 
 HIDDEN, HEADS, INTERMEDIATE, EXPERT_INTERMEDIATE, EXPERTS, TOP_K = 128, 4, 256, 64, 4, 2
 MIN_LAYERS = 4
 PER_LAYER_INPUT = 16  # Gemma 4's per-layer embedding width
 KEPT_DEPTHS = {"exaone4": (WINDOW_DEPTH,)}  # llama.cpp runs EXAONE 4's sliding windows at 64 layers only
+KEPT_EXPERTS = {"llama4_text": (128,)}  # llama.cpp's llama4 graph drops the q/k norm at 128 experts (Maverick) only
 # a multimodal config's vision tower, tiny (as toolkit/tiny/models.py builds them), by the checkpoint's model_type
 SIGLIP = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 32, "patch_size": 8}
 QWEN3_5_TINY_VISION = {**QWEN3_5_VISION, "out_hidden_size": HIDDEN}
-VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_TINY_VISION, "qwen3_5_moe": QWEN3_5_TINY_VISION, "gemma4": GEMMA4_VISION}
+VISION = {"gemma3": SIGLIP, "qwen3_5": QWEN3_5_TINY_VISION, "qwen3_5_moe": QWEN3_5_TINY_VISION, "gemma4": GEMMA4_VISION,
+          "llama4": LLAMA4_VISION}
 # Gemma 4 E2B / E4B's audio tower, tiny (its output projected to the text model's width by embed_audio)
 GEMMA4_AUDIO = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [8, 4], "output_proj_dims": 64}
@@ -97,10 +99,12 @@ def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
     if cfg.get("hidden_size_per_layer_input"):
         cfg["hidden_size_per_layer_input"] = PER_LAYER_INPUT
     for key in ("num_experts", "num_local_experts"):
-        if cfg.get(key):
+        if cfg.get(key) and cfg[key] not in KEPT_EXPERTS.get(cfg.get("model_type"), ()):
             cfg[key] = EXPERTS
     if cfg.get("num_experts_per_tok"):
-        cfg["num_experts_per_tok"] = TOP_K
+        cfg["num_experts_per_tok"] = min(TOP_K, cfg["num_experts_per_tok"])  # top-1 routing (Llama 4) kept
+    if cfg.get("intermediate_size_mlp"):  # Llama 4: the dense layers' width; intermediate_size is the experts'
+        cfg["intermediate_size_mlp"], cfg["intermediate_size"] = INTERMEDIATE, EXPERT_INTERMEDIATE
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if cfg.get(key):
             cfg[key] = EXPERT_INTERMEDIATE

@@ -1,0 +1,35 @@
+"""Llama 4 as released (``Llama4ForConditionalGeneration``, Scout and Maverick): the text model (``llama4_text``)
+under ``language_model`` beside a vision tower (``vision_model``) and its projection (``multi_modal_projector``), in
+the hub's layout, which is also transformers 5's module tree: merge keeps the whole checkpoint; GGUF and MLX export
+its text model. transformers' AutoModelForCausalLM loads the text model alone from it, so adapters name either
+layout."""
+
+from .llama4_text import ARCH as TEXT
+from .spec import ArchSpec, TextTower
+
+ARCH = ArchSpec(
+    "llama4",
+    ("Llama4ForConditionalGeneration",),
+    gguf_arch="llama4",
+    rope_style="interleaved",
+    embed="language_model.model.embed_tokens",
+    lm_head="language_model.lm_head",
+    final_norm="language_model.model.norm",
+    layer_prefix="language_model.model.layers",
+    linear_modules=TEXT.linear_modules,
+    vllm_lora_modules=TEXT.vllm_lora_modules,
+    experts=TEXT.experts,
+    notes=("multimodal: merge keeps the vision tower; GGUF and MLX export the text model",),
+    text_tower=TextTower(
+        "llama4_text", "Llama4TextConfig",
+        # the checkpoint's names, then an adapter's trained on the text model AutoModelForCausalLM loads from it
+        renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                 ("model.", "model."), ("lm_head.", "lm_head.")),
+        vision=("vision_model.", "multi_modal_projector."),
+        checkpoint_renames=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    ),
+    refusals={"vllm": "not proven yet for the multimodal checkpoint (vLLM's Llama4ForConditionalGeneration with its "
+                      "processor); its text model is: load the checkpoint with AutoModelForCausalLM, save it, export "
+                      "that",
+              "awq": TEXT.refusals["awq"], "exl3": TEXT.refusals["exl3"]},
+)
