@@ -96,16 +96,18 @@ def _in_out_views(layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> F
             rows, tail = shape[2], (shape[1],)
         else:  # [E, out]
             rows, tail = shape[1], ()
-        half = rows // 2
-        parts = ((((layout.gate, 0, 2), (layout.up, 1, 2)) if layout.interleaved_gate_up
-                  else ((layout.gate, 0, 1), (layout.up, half, 1))) if m[2] == "gate_up_proj"
-                 else ((layout.down, 0, 1),))
+        half = rows // 2  # (projection, first row, rows, step) of each part
+        if m[2] == "down_proj":
+            parts = ((layout.down, 0, rows, 1),)
+        elif layout.interleaved_gate_up:  # gpt-oss: gate0, up0, gate1, ...
+            parts = ((layout.gate, 0, half, 2), (layout.up, 1, half, 2))
+        else:  # Llama 4: the gate half, then the up half
+            parts = ((layout.gate, 0, half, 1), (layout.up, half, half, 1))
         suffix = "bias" if kind == "_bias" else "weight"
         out[name] = [(f"{m[1]}.{layout.disk_block}.experts.{e}.{proj}.{suffix}", (r, *tail),
                       ExpertRows(name, e, row, r, first=e * per_expert, transposed=kind == "", step=step,
                                  scales=name.removesuffix("_blocks") + "_scales" if kind == "_blocks" else None))
-                      for e in range(n) for proj, row, step in parts
-                      for r in (rows if m[2] == "down_proj" else half,)]
+                      for e in range(n) for proj, row, r, step in parts]
     return out
 
 
