@@ -97,7 +97,10 @@ def test_every_architecture_lora_matches_peft(zoo, tmp_path, cli, arch):
     assert cmp.max_abs <= {**TOL, **ARCH_TOL.get(arch, {})}["f32"], cmp
 
 
-MOE = [a for a in supported("gguf") if (spec := known_arch(a)) is not None and spec.experts is not None]
+# Llama 4 as released exports its text model (llama4_text) renamed: its parity and LoRA tests cover the renaming, the
+# expert LoRA runs on llama4_text (CI time)
+MOE = [a for a in supported("gguf") if (spec := known_arch(a)) is not None and spec.experts is not None
+       and a != "llama4"]
 
 
 @pytest.mark.parametrize("arch,variant", moe_cases(MOE))

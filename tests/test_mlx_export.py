@@ -193,7 +193,10 @@ def test_every_lora_variant_as_mlx_adapter_equals_peft(cli, bases, adapters, tmp
     assert (merged - separate).abs().max().item() <= TOL
 
 
-MOE = [a for a in supported("mlx") if (spec := known_arch(a)) is not None and spec.experts is not None]
+# Llama 4 as released exports its text model (llama4_text) renamed: its parity and LoRA tests cover the renaming, the
+# expert LoRA runs on llama4_text (CI time)
+MOE = [a for a in supported("mlx") if (spec := known_arch(a)) is not None and spec.experts is not None
+       and a != "llama4"]
 
 
 @pytest.mark.parametrize("arch,variant", moe_cases(MOE, ("experts", "experts_patterns", "per_expert", "all_linear")))
