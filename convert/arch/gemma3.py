@@ -2,17 +2,15 @@
 AWQ); text-only targets export its text model (``gemma3_text``, ``convert/multimodal.py``). Names: the hub's
 layout."""
 
-from .spec import ArchSpec, TextTower
+from .gemma3_text import ARCH as TEXT
+from .spec import ArchSpec, TextTower, under_hub_language_model
 
 ARCH = ArchSpec(
     "gemma3",
     ("Gemma3ForConditionalGeneration",),
     gguf_arch="gemma3",
     rope_style="neox",
-    embed="language_model.model.embed_tokens",
-    lm_head="language_model.lm_head",
-    final_norm="language_model.model.norm",
-    layer_prefix="language_model.model.layers",
+    **under_hub_language_model(TEXT),
     notes=("multimodal: merge, vLLM and AWQ keep the vision tower (an adapter on it merged too; vLLM serves LoRA "
            "on the language model; AWQ quantizes the language model only); GGUF and MLX export the text model",),
     text_tower=TextTower(

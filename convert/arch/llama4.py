@@ -5,19 +5,14 @@ its text model. transformers' AutoModelForCausalLM loads the text model alone fr
 layout."""
 
 from .llama4_text import ARCH as TEXT
-from .spec import ArchSpec, TextTower
+from .spec import ArchSpec, TextTower, under_hub_language_model
 
 ARCH = ArchSpec(
     "llama4",
     ("Llama4ForConditionalGeneration",),
     gguf_arch="llama4",
     rope_style="interleaved",
-    embed="language_model.model.embed_tokens",
-    lm_head="language_model.lm_head",
-    final_norm="language_model.model.norm",
-    layer_prefix="language_model.model.layers",
-    linear_modules=TEXT.linear_modules,
-    vllm_lora_modules=TEXT.vllm_lora_modules,
+    **under_hub_language_model(TEXT),
     experts=TEXT.experts,
     notes=("multimodal: merge keeps the vision tower; GGUF and MLX export the text model",),
     text_tower=TextTower(

@@ -120,3 +120,11 @@ def under_language_model(text: ArchSpec) -> dict:
     return {"embed": "model.language_model.embed_tokens", "final_norm": "model.language_model.norm",
             "layer_prefix": "model.language_model.layers", "linear_modules": text.linear_modules,
             "vllm_lora_modules": text.vllm_lora_modules}
+
+
+def under_hub_language_model(text: ArchSpec) -> dict:
+    """The ArchSpec fields of a multimodal checkpoint in the hub's layout, its text model under
+    ``language_model.model`` and its LM head at ``language_model.lm_head`` (Gemma 3, Llama 4)."""
+    return {"embed": "language_model.model.embed_tokens", "lm_head": "language_model.lm_head",
+            "final_norm": "language_model.model.norm", "layer_prefix": "language_model.model.layers",
+            "linear_modules": text.linear_modules, "vllm_lora_modules": text.vllm_lora_modules}

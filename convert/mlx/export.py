@@ -143,15 +143,11 @@ def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_sh
             return
         yield from emit(spec.name.removesuffix(".weight"), spec.name, t)
 
-    if not layout.prefix:
-        return write_tensors(out, layout.specs, layout.sources, produce, max_shard_bytes=max_shard_bytes,
-                             progress=progress, metadata={"format": "mlx"})
-
-    def produce_prefixed(spec: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:
+    def named(spec: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:  # under a wrapper's prefix (else "")
         return ((layout.prefix + name, t) for name, t in produce(spec))
 
     specs = [TensorMeta(layout.prefix + s.name, s.dtype, s.shape) for s in layout.specs]
-    return write_tensors(out, specs, layout.sources, produce_prefixed, max_shard_bytes=max_shard_bytes,
+    return write_tensors(out, specs, layout.sources, named, max_shard_bytes=max_shard_bytes,
                          progress=progress, metadata={"format": "mlx"})
 
 
