@@ -45,6 +45,10 @@ TRACE_SIZES = {
     "shared_expert_intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
 
+# model types whose default config cannot be traced as it is: Granite 4's makes every layer Mamba, and transformers'
+# cache then fails the one-token step ("get_seq_length can only be called on Attention layers")
+TRACE_OVERRIDES = {"granitemoehybrid": {"layer_types": ["mamba", "attention"] * 3}}
+
 
 @dataclass(frozen=True)
 class _Unknown:
@@ -150,7 +154,7 @@ def derive_read_set(model_type: str) -> ReadSet | None:
         defaults = AutoConfig.for_model(model_type).to_dict()
     except (ValueError, KeyError):
         return None
-    sizes = {k: v for k, v in TRACE_SIZES.items() if k in defaults}
+    sizes = {**{k: v for k, v in TRACE_SIZES.items() if k in defaults}, **TRACE_OVERRIDES.get(model_type, {})}
     with _quiet():
         config = AutoConfig.for_model(model_type, **sizes)
         cls = type(config)
@@ -206,8 +210,10 @@ def _build(model_type: str, cfg: dict):
     from transformers import AutoConfig
 
     cls = type(AutoConfig.for_model(model_type))
-    with _quiet():  # a copy: config classes standardize nested dicts (rope_scaling) in place
-        return cls.from_dict(copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type"}))
+    with _quiet():  # a copy: config classes standardize nested dicts (rope_scaling) in place; the special floats
+        # transformers' JSON reader decodes ({"__float__": "Infinity"}: Granite 4's time_step_limit) decoded alike
+        return cls.from_dict(cls._decode_special_floats(copy.deepcopy(
+            {k: v for k, v in cfg.items() if k != "model_type"})))
 
 
 def built_config(cfg: dict) -> dict | None:

@@ -12,3 +12,12 @@ def lfm2_layer_kinds(cfg: dict) -> list[str]:
     attention = cfg.get("full_attn_idxs")
     n = int(cfg["num_hidden_layers"])
     return ["full_attention" if attention is None or i in attention else "conv" for i in range(n)]
+
+
+def granite_hybrid_layer_kinds(cfg: dict) -> list[str]:
+    """Granite 4's layers ("mamba" / "attention"): ``layer_types`` as the hub writes them ("mamba", "attention") or as
+    transformers 5 saves them ("linear_attention", "full_attention"), else every layer Mamba (transformers'
+    GraniteMoeHybridConfig); an unknown kind is kept as it is, for the audit to name."""
+    names = {"linear_attention": "mamba", "full_attention": "attention"}
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    return [names.get(t, t) for t in types] if types else ["mamba"] * int(cfg["num_hidden_layers"])

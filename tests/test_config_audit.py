@@ -220,6 +220,23 @@ CASES = [
     Case("llama4_text", "floor_scale", {"floor_scale": 4}, "refused: scales the queries"),
     Case("llama4_text", "attn_scale", {"attn_scale": 0.2}, "refused: scales the queries"),
     Case("llama4_text", "attention_bias", {"attention_bias": True}, "refused: has no attention biases"),
+    # Granite 4: the Mamba-2 sizes and the layer pattern carried, RoPE switched; what llama.cpp's Mamba-2 graph
+    # hard-codes refused (the hub's layer names in the file: transformers 5 renames them on load)
+    Case("granitemoehybrid", "layer_types", {"layer_types": ["attention", "mamba", "mamba", "attention"]}, "parity",
+         config_patch={"layer_types": ["attention", "mamba", "mamba", "attention"]}),
+    Case("granitemoehybrid", "position_embedding_type", {"position_embedding_type": "rope"}, "parity"),
+    Case("granitemoehybrid", "mamba_n_heads", {"mamba_n_heads": 4, "mamba_d_head": 64}, "parity"),
+    Case("granitemoehybrid", "mamba_d_head", {"mamba_n_heads": 16, "mamba_d_head": 16}, "parity"),
+    Case("granitemoehybrid", "mamba_d_state", {"mamba_d_state": 32}, "parity"),
+    Case("granitemoehybrid", "mamba_d_conv", {"mamba_d_conv": 3}, "parity"),
+    Case("granitemoehybrid", "shared_intermediate_size", {"shared_intermediate_size": 192}, "parity"),
+    Case("granitemoehybrid", "mamba_expand", {"mamba_expand": 1, "mamba_d_head": 16}, "refused: twice the hidden"),
+    Case("granitemoehybrid", "mamba_n_groups", {"mamba_n_groups": 2}, "refused: per group"),
+    Case("granitemoehybrid", "mamba_conv_bias", {"mamba_conv_bias": False}, "refused: always adds the convolution"),
+    Case("granitemoehybrid", "mamba_proj_bias", {"mamba_proj_bias": True}, "refused: no in_proj / out_proj biases"),
+    Case("granitemoehybrid", "time_step_limit", {"time_step_limit": (0.0, 10.0)}, "refused: never clamps"),
+    Case("granitemoehybrid", "num_local_experts", {"num_local_experts": 4, "num_experts_per_tok": 2},
+         "refused: does not export Granite 4's routed experts yet"),
     Case("mixtral", "num_local_experts", {"num_local_experts": 6}, "parity"),
     Case("mixtral", "num_experts_per_tok", {"num_experts_per_tok": 3}, "parity"),
     Case("qwen3_moe", "num_experts", {"num_experts": 6}, "parity",  # real Qwen3-MoE configs' name

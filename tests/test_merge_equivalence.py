@@ -82,6 +82,8 @@ UNBUILDABLE = {
        for v in ("plain", "modules_to_save", "tied", "regex", "layers")},
     ("qwen3_moe", "dora"): "PEFT maps down_proj onto the fused experts, where it has no DoRA",
     ("lfm2", "layers"): "LFM2's layer 1 is a convolution block and its MLP is w1/w2/w3: PEFT finds none of the targets",
+    ("granitemoehybrid", "layers"): "Granite 4's layer 1 is a Mamba-2 block and its MLP is input_linear/output_linear: "
+                                    "PEFT finds none of the targets",
     **{("qwen3_moe", v): "PEFT maps gate_proj/up_proj onto the fused gate_up_proj and wants both"
        for v in ("tied", "regex", "layers")},
 }

@@ -7,22 +7,25 @@ from ..gguf.config_rules import COMMON, NO_BIASES
 from ..mlx.arch_facts import MlxArch
 from .spec import ArchSpec
 
+# Granite's four multipliers, carried as llama.cpp's scales (Granite 3 and Granite 4's hybrid alike)
+MULTIPLIER_HPARAMS = (
+    ("embedding_scale", ("embedding_multiplier",), "f32"), ("residual_scale", ("residual_multiplier",), "f32"),
+    ("attention.scale", ("attention_multiplier",), "f32"), ("logit_scale", ("logits_scaling",), "f32"))
+MULTIPLIER_RULES = {
+    "embedding_multiplier": KeyRule("carried", "embedding_scale"),
+    "residual_multiplier": KeyRule("carried", "residual_scale"),
+    "attention_multiplier": KeyRule("carried", "attention.scale"),
+    "logits_scaling": KeyRule("carried", "logit_scale"),
+}
+
 ARCH = ArchSpec(
     "granite",
     ("GraniteForCausalLM",),
     gguf_arch="granite",
     rope_style="normal",
     notes=("embedding, attention, residual and logit multipliers (carried as GGUF scales)",),
-    gguf=GGUFArch(COMMON_HPARAMS + (
-        ("embedding_scale", ("embedding_multiplier",), "f32"), ("residual_scale", ("residual_multiplier",), "f32"),
-        ("attention.scale", ("attention_multiplier",), "f32"), ("logit_scale", ("logits_scaling",), "f32"),
-    ), {
-        **COMMON, **NO_BIASES,
-        "embedding_multiplier": KeyRule("carried", "embedding_scale"),
-        "residual_multiplier": KeyRule("carried", "residual_scale"),
-        "attention_multiplier": KeyRule("carried", "attention.scale"),
-        "logits_scaling": KeyRule("carried", "logit_scale"),
-    }, write_vocab_size=True, write_rope_dims=True),
+    gguf=GGUFArch(COMMON_HPARAMS + MULTIPLIER_HPARAMS, {**COMMON, **NO_BIASES, **MULTIPLIER_RULES},
+                  write_vocab_size=True, write_rope_dims=True),
     mlx=MlxArch("granite"),
     awq=transformers_layout("granite", "Granite", embed_scale=lambda cfg: cfg.embedding_multiplier),
     refusals={"exl3": "exllamav3 has no architecture for GraniteForCausalLM"},

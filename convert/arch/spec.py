@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..calibration.layouts import AWQArch
     from ..gguf.arch_facts import GGUFArch
     from ..mlx.arch_facts import MlxArch
+    from ..split_linears import SplitLinear
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LLAMA_LINEARS = (*ATTENTION_LINEARS, "gate_proj", "up_proj", "down_proj")
@@ -108,6 +109,8 @@ class ArchSpec:
     # (stored prefix, the model's own): a text model saved under its multimodal parent's names, which readers strip
     stored_prefixes: tuple[tuple[str, str], ...] = ()
     refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # target -> why it refuses
+    # config -> the fused linears the GGUF and MLX writers write as separate modules (``convert.split_linears``)
+    split_linears: Callable[[dict], tuple[SplitLinear, ...]] | None = None
 
     @property
     def embedding_modules(self) -> tuple[str, ...]:

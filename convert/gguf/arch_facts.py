@@ -50,6 +50,8 @@ class GGUFArch:
     # Gated DeltaNet layers (Qwen3.5): their tensors' renames and reorders, ssm.* hyperparameters
     # (``gguf.linear_attention``)
     delta_net: bool = False
+    # Mamba-2 layers (Granite 4's hybrid): their tensors' renames and layouts, ssm.* hyperparameters (``gguf.mamba2``)
+    mamba2: bool = False
     dropped_prefixes: tuple[str, ...] = ()  # checkpoint tensors llama.cpp's graph does not load (an MTP head)
     # bare parameters (GGUF names without a suffix) llama.cpp loads as ``<name>.weight`` (gpt-oss's ``attn_sinks``)
     weight_suffixed: tuple[str, ...] = ()
@@ -57,7 +59,7 @@ class GGUFArch:
     # [H, 1, L] -> [H, L]), as its converter squeezes them
     squeezed: tuple[str, ...] = ()
     # hyperparameters derived from the config rather than copied from one key: config -> {GGUF key suffix: value}
-    # (an int is written u32, a float f32, a list of ints an array of them)
+    # (a bool is written as one, an int u32, a float f32, a list of ints an array of them)
     derived_hparams: Callable[[dict], dict[str, object]] | None = None
     # GGUF tensors llama.cpp applies no LoRA to (its graph does not go through build_lora_mm): (suffix, why)
     no_lora: tuple[tuple[str, str], ...] = ()

@@ -20,8 +20,9 @@ from ..checkpoint import Checkpoint
 from ..errors import UserError
 from ..experts import expert_tensor, stack_expert_loras
 from ..merge import WeightedAdapter, plan_merge
+from ..split_linears import split_lora_modules
 from . import linear_attention
-from .model import gguf_arch_for, permute_qk, qk_heads
+from .model import gguf_arch_for, permute_qk, qk_heads, tensor_name_map
 
 MERGE_HINT = "use --adapters merge"
 
@@ -59,8 +60,6 @@ def lora_refusals(adapter: Adapter, base: Checkpoint | None, arch: ArchSpec) -> 
 
 
 def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFLora:
-    import gguf
-
     from .config_keys import gguf_config_facts
 
     plan_merge(base, [WeightedAdapter(adapter)])  # fits this base (names, shapes)
@@ -69,8 +68,7 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
         raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
     garch = gguf_arch_for(arch)  # refuses an architecture without a GGUF table entry
     cfg = base.config
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper().replace("-", "_")],
-                                    int(cfg["num_hidden_layers"]))
+    tmap = tensor_name_map(arch.gguf_arch, int(cfg["num_hidden_layers"]))
     ranks = {m.rank for m in adapter.modules.values()}
     acfg = adapter.config
     uniform = not (acfg.get("rank_pattern") or acfg.get("alpha_pattern")) and len(ranks) == 1
@@ -81,7 +79,7 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     q_factor = gguf_config_facts(arch.model_type, cfg).q_proj_factor
     experts: dict[str, dict[int, LoraModule]] = {}  # stacked GGUF tensor -> expert -> its LoRA
     expert_key = expert_tensor(arch)
-    for mod in adapter.modules.values():
+    for mod in split_lora_modules(arch, cfg, adapter.modules.values()):
         if expert_key and (m := expert_key.match(mod.target)):
             gname = tmap.get_name(f"{m[1]}.experts.{m[3]}.weight", try_suffixes=(".weight",))  # the stacked name
             if gname is None:

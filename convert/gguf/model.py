@@ -17,7 +17,8 @@ import torch
 from ..arch import ARCHS, ArchSpec, target_refusal
 from ..errors import UserError
 from ..experts import expert_groups
-from . import linear_attention
+from ..split_linears import tensor_parts
+from . import linear_attention, mamba2
 from .arch_facts import GGUFArch
 from .config_keys import GGUFConfigFacts, gguf_config_facts
 from .vocab import GGUFVocab
@@ -144,14 +145,13 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
                     direct_type: str) -> GGUFModelPlan:
     """Name, type and transform of every tensor; ``direct_type`` is F32, F16, BF16, Q8_0 or MXFP4_MOE (llama.cpp's
     MXFP4_MOE: stacked experts MXFP4, as gpt-oss ships them, the other matrices Q8_0)."""
-    import gguf
 
     expert_type = "MXFP4" if direct_type == "MXFP4_MOE" else direct_type
     direct_type = "Q8_0" if direct_type == "MXFP4_MOE" else direct_type
 
     garch = gguf_arch_for(arch)
     n_layers = int(config["num_hidden_layers"])
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch.upper().replace("-", "_")], n_layers)
+    tmap = tensor_name_map(arch.gguf_arch, n_layers)
     plan = GGUFModelPlan(arch, garch, config, facts=gguf_config_facts(arch.model_type, config))
     tied = config.get("tie_word_embeddings") is True
     stacks = {name: (f"{block}.experts.{proj}" + ("" if proj.endswith(".bias") else ".weight"), order)
@@ -168,19 +168,21 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
                          "F16" if expert_type in ("Q8_0", "MXFP4") and shape[-1] % 32 else expert_type)
                 plan.tensors.append(TensorPlan(name, gname, (len(stacked[1]), *shape), qtype, None, stacked[1]))
             continue
-        mapped = linear_attention.source_name(name) if garch.delta_net else name
-        gname = tmap.get_name(mapped, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
-                            "the checkpoint has weights this architecture does not define")
+        if (parts := tensor_parts(arch, config, name)) is not None:  # a fused linear llama.cpp keeps apart
+            for part_name, part in parts:
+                part_shape = (shape[0] // part.count, *shape[1:])
+                plan.tensors.append(TensorPlan(name, _gguf_name(tmap, part_name, arch), part_shape,
+                                               _matrix_type(direct_type, part_shape), part.rows))
+            continue
+        mapped = (linear_attention.source_name(name) if garch.delta_net else
+                  mamba2.source_name(name) if garch.mamba2 else name)
+        gname = _gguf_name(tmap, mapped, arch)
         if gname.endswith(garch.weight_suffixed):
             gname += ".weight"  # a bare parameter llama.cpp names as a weight (gpt-oss's attention sinks)
         if len(shape) <= 1 or gname.endswith(KEEP_F32 + garch.keep_f32) or not gname.endswith(".weight"):
             qtype = "F32"
-        elif direct_type == "Q8_0" and shape[-1] % 32:
-            qtype = "F16"  # llama.cpp's converter does the same
         else:
-            qtype = direct_type
+            qtype = _matrix_type(direct_type, shape)
         transform = None
         module = name.rsplit(".", 1)[0]
         offset = garch.norm_offset if name.endswith("norm.weight") and not name.endswith(
@@ -189,12 +191,16 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
                  else plan.facts.q_proj_factor if module.endswith("q_proj") else None)
         if garch.delta_net and (fix := linear_attention.tensor_transform(name, config)) is not None:
             transform = fix  # Gated DeltaNet: llama.cpp's value-head order and parameterization
+        elif garch.mamba2 and (fix := mamba2.tensor_transform(name, config)) is not None:
+            transform = fix  # Mamba-2: llama.cpp's parameterization and layouts
         elif (heads := qk_heads(arch, config, module)) is not None:
             transform = lambda t, h=heads: permute_qk(t, h)  # noqa: E731
         elif offset or scale:  # Gemma's (w - 1) norms; a query scale folded by the config audit
             transform = lambda t, o=offset, s=scale or 1.0: (t.float() + o) * s  # noqa: E731
         if garch.delta_net:
             shape = linear_attention.gguf_shape(name, tuple(shape))
+        elif garch.mamba2:
+            shape = mamba2.gguf_shape(name, tuple(shape), config)
         if name.endswith(garch.squeezed):
             shape, transform = (shape[0], *shape[2:]), lambda t: t.squeeze(1)  # noqa: E731
         plan.tensors.append(TensorPlan(name, gname, tuple(shape), qtype, transform))
@@ -215,6 +221,28 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         raise UserError(f"RoPE type {rp['rope_type']!r} is not supported for GGUF export",
                         "supported: default, linear, yarn, llama3")
     return plan
+
+
+def tensor_name_map(gguf_arch: str, n_layers: int):
+    """gguf's HF -> GGUF tensor name map of the architecture llama.cpp calls ``gguf_arch`` ("granitehybrid" is
+    ``MODEL_ARCH.GRANITE_HYBRID``)."""
+    import gguf
+
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == gguf_arch)
+    return gguf.get_tensor_name_map(model_arch, n_layers)
+
+
+def _matrix_type(direct_type: str, shape: tuple[int, ...]) -> str:
+    """A weight matrix's GGUF type: Q8_0 rows need a multiple of 32 columns, else F16 (as llama.cpp's converter)."""
+    return "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type
+
+
+def _gguf_name(tmap, name: str, arch: ArchSpec) -> str:
+    gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
+                        "the checkpoint has weights this architecture does not define")
+    return gname
 
 
 def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, name: str) -> None:
@@ -258,8 +286,13 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
         writer.add_float32(f"{arch}.attn_logit_softcapping", float(cfg["attn_logit_softcapping"]))
     if garch.delta_net:
         linear_attention.write_hparams(writer, arch, cfg)
+    if garch.mamba2:
+        for suffix, value in mamba2.hparams(cfg).items():
+            writer.add_uint32(f"{arch}.{suffix}", value)
     for suffix, value in (garch.derived_hparams(cfg) if garch.derived_hparams else {}).items():
-        if isinstance(value, list):
+        if isinstance(value, bool):
+            writer.add_bool(f"{arch}.{suffix}", value)
+        elif isinstance(value, list):
             writer.add_array(f"{arch}.{suffix}", value)
         else:
             (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{suffix}", value)

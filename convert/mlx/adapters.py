@@ -35,6 +35,7 @@ from ..arch import arch_for
 from ..checkpoint import Checkpoint
 from ..errors import UserError
 from ..experts import expert_tensor, fit_to_base, stack_expert_loras
+from ..split_linears import part_shape, split_lora_modules
 from . import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .archs import mlx_arch_for
 
@@ -111,7 +112,7 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
     switch, stacked_block = dict(march.switch_mlp), march.switch_block
     expert = re.compile(r"^(.+)\.experts\.(\d+)\.(\w+)$") if switch else None
     placed: dict[tuple[int | None, str], object] = {}
-    for mod in adapter.modules.values():
+    for mod in split_lora_modules(arch, base.config, adapter.modules.values()):
         i, key = _split(mod.module, arch.layer_prefix)
         if expert is not None and (m := expert.match(key)) and m[3] in switch:  # into the stacked switch_mlp
             placed.setdefault((i, f"{m[1]}.{stacked_block}.{switch[m[3]]}"), {})[int(m[2])] = mod
@@ -164,7 +165,8 @@ def mlx_adapter(adapter: Adapter, base: Checkpoint) -> MlxAdapter:
             if mod is not None:
                 put(path, mod)
                 continue
-            shape = base.weight_shape(f"{path}.weight")
+            shape = base.weight_shape(f"{path}.weight") or part_shape(
+                arch, base.config, base.weight_shape, f"{path}.weight")
             if shape is None:  # a layer without this module (a dense layer of a MoE model): mlx-lm skips it too
                 continue
             out.tensors[f"{prefix}{path}.lora_a"] = np.zeros((shape[1], rank), np.float32)

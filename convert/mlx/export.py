@@ -27,6 +27,7 @@ from ..manifest import input_entries, write_manifest
 from ..merge import CONFIG_DTYPE_NAMES, OUT_DTYPES, MergePlan, merge_one, plan_merge
 from ..options import ExportOptions, ExportResult
 from ..shards import write_tensors
+from ..split_linears import Part, tensor_parts
 from ..tensors import TensorMeta
 from .adapters import MlxAdapter, mlx_adapter, write_mlx_adapter
 from .archs import MlxArch, mlx_arch_for, mlx_config
@@ -76,6 +77,7 @@ class _Layout:
         self.quantized: dict[str, dict] = {}  # module -> params
         # expert tensor -> (stacked tensor, its module, index, count)
         self.stacked: dict[str, tuple[str, str, int, int]] = {}
+        self.parts: dict[str, list[tuple[str, Part]]] = {}  # fused linear -> its parts (``convert.split_linears``)
         lm_head = f"{plan.base.arch.lm_head}.weight"
         groups = expert_groups(plan.base.arch, plan.base.config, [s.name for s in plan.specs])
         switch = dict(march.switch_mlp)
@@ -94,6 +96,12 @@ class _Layout:
                 if arrived[name] == len(order):  # planned where it is written: after its last expert
                     self._add(name.removesuffix(".weight") if not suffix else name, (len(order), *spec.shape),
                               spec.dtype, weight=not suffix)
+                continue
+            if (parts := tensor_parts(plan.base.arch, plan.base.config, spec.name)) is not None:
+                self.parts[spec.name] = parts  # a fused linear mlx-lm keeps apart
+                for part_name, part in parts:
+                    self._add(part_name.removesuffix(".weight"), (spec.shape[0] // part.count, *spec.shape[1:]),
+                              spec.dtype)
                 continue
             self._add(spec.name.removesuffix(".weight") if spec.name.endswith(".weight") else spec.name,
                       spec.shape, spec.dtype, weight=spec.name.endswith(".weight"))
@@ -141,7 +149,10 @@ def write_model(plan: MergePlan, out: Path, layout: _Layout, fixes: dict, max_sh
                 t = torch.stack([experts[e] for e in range(count)])
                 yield from (emit(module, name, t) if name.endswith(".weight") else [(name, t)])
             return
-        yield from emit(spec.name.removesuffix(".weight"), spec.name, t)
+        for name, part in layout.parts.get(spec.name, ()):
+            yield from emit(name.removesuffix(".weight"), name, part.rows(t))
+        if spec.name not in layout.parts:
+            yield from emit(spec.name.removesuffix(".weight"), spec.name, t)
 
     def named(spec: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:  # under a wrapper's prefix (else "")
         return ((layout.prefix + name, t) for name, t in produce(spec))

@@ -149,6 +149,16 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "llama4_text": TinyArch("llama4_text", "Llama4TextConfig", "bpe", LLAMA4_TEXT),
     # Llama 4 as released (Llama4ForConditionalGeneration): the text model above and a tiny vision tower
     "llama4": TinyArch("llama4", "Llama4Config", "bpe", LLAMA4_TEXT, text_config_class="Llama4TextConfig"),
+    # Granite-4.0-H-Micro's choices in 4 layers (Mamba-2, Mamba-2, attention, Mamba-2): no RoPE, no experts (the
+    # shared MLP only), its multipliers' sizes (embedding 12, attention 1/64, residual 0.22, logits 8 as 3, 0.05,
+    # 0.5, 2); 8 Mamba heads of 32 over an inner size of twice the hidden size, a state of 16, a 4-tap convolution
+    "granitemoehybrid": TinyArch("granitemoehybrid", "GraniteMoeHybridConfig", "bpe", (
+        ("num_hidden_layers", 4), ("layer_types", ["mamba", "mamba", "attention", "mamba"]),
+        ("position_embedding_type", "nope"), ("num_local_experts", 0), ("num_experts_per_tok", 0),
+        ("shared_intermediate_size", 256), ("mamba_n_heads", 8), ("mamba_d_head", 32), ("mamba_d_state", 16),
+        ("mamba_n_groups", 1), ("mamba_d_conv", 4), ("mamba_expand", 2),
+        ("embedding_multiplier", 3.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.05),
+        ("logits_scaling", 2.0))),
     # Qwen1.5-MoE-A2.7B's choices: top-k weights not renormalized, a shared expert 4x an expert's width
     "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "bpe", (
         ("use_sliding_window", False), ("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),

@@ -1,0 +1,83 @@
+"""Linears a checkpoint keeps fused that an engine keeps apart: Granite's ``shared_mlp.input_linear`` (the gate rows,
+then the up rows) is llama.cpp's ``ffn_gate`` and ``ffn_up`` and mlx-lm's ``mlp.gate_proj`` and ``mlp.up_proj``. An
+architecture names them (``ArchSpec.split_linears``); the GGUF and MLX writers write each part under its own name,
+and a LoRA on the fused linear becomes one LoRA per part (the same A, B's rows cut alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .adapter import LoraModule
+    from .arch import ArchSpec
+
+
+@dataclass(frozen=True)
+class SplitLinear:
+    """A fused linear (module suffix inside a layer) and the modules its output rows are, equal blocks in order (one
+    part: a rename)."""
+
+    fused: str  # e.g. "shared_mlp.input_linear"
+    parts: tuple[str, ...]  # e.g. ("mlp.gate_proj", "mlp.up_proj")
+
+
+@dataclass(frozen=True)
+class Part:
+    module: str  # the part's module path
+    index: int
+    count: int
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This part's rows of the fused weight (or of a LoRA's B)."""
+        return t.chunk(self.count, dim=0)[self.index].contiguous()
+
+
+def module_parts(arch: ArchSpec, config: dict, module: str) -> list[Part] | None:
+    """The parts of the fused linear ``module`` (a module path), or None where ``module`` is not one."""
+    if arch.split_linears is None:
+        return None
+    for split in arch.split_linears(config):
+        if module.endswith(f".{split.fused}"):
+            stem = module[: -len(split.fused)]
+            return [Part(stem + p, i, len(split.parts)) for i, p in enumerate(split.parts)]
+    return None
+
+
+def tensor_parts(arch: ArchSpec, config: dict, name: str) -> list[tuple[str, Part]] | None:
+    """(part tensor name, part) for the fused weight ``name``; None where it is not one (a bias is not split)."""
+    if not name.endswith(".weight") or (parts := module_parts(arch, config, name.removesuffix(".weight"))) is None:
+        return None
+    return [(f"{p.module}.weight", p) for p in parts]
+
+
+def split_lora_modules(arch: ArchSpec, config: dict, modules: Iterable[LoraModule]) -> list[LoraModule]:
+    """``modules`` with each LoRA on a fused linear replaced by one per part (its A, its B's rows of that part)."""
+    out = []
+    for mod in modules:
+        parts = module_parts(arch, config, mod.module)
+        if parts is None:
+            out.append(mod)
+            continue
+        out += [replace(mod, module=p.module, B=p.rows(mod.B),
+                        magnitude=None if mod.magnitude is None else p.rows(mod.magnitude),
+                        bias=None if mod.bias is None else p.rows(mod.bias)) for p in parts]
+    return out
+
+
+def part_shape(arch: ArchSpec, config: dict, shape_of: Callable[[str], tuple[int, ...] | None], name: str
+               ) -> tuple[int, ...] | None:
+    """The shape of the part tensor ``name`` from its fused weight's (``shape_of``: a tensor's shape or None);
+    None where ``name`` is no part."""
+    if arch.split_linears is None:
+        return None
+    for split in arch.split_linears(config):
+        for part in split.parts:
+            if name.endswith(f".{part}.weight"):
+                fused = shape_of(name[: -len(f"{part}.weight")] + f"{split.fused}.weight")
+                if fused is not None:
+                    return (fused[0] // len(split.parts), *fused[1:])
+    return None
