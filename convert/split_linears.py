@@ -17,15 +17,6 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SplitLinear:
-    """A fused linear (module suffix inside a layer) and the modules its output rows are, equal blocks in order (one
-    part: a rename)."""
-
-    fused: str  # e.g. "shared_mlp.input_linear"
-    parts: tuple[str, ...]  # e.g. ("mlp.gate_proj", "mlp.up_proj")
-
-
-@dataclass(frozen=True)
 class Part:
     module: str  # the part's module path
     index: int

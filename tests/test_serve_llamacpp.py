@@ -408,9 +408,9 @@ def test_mixture_of_experts_adapters_serve_mixed_with_base_like_peft(zoo, tmp_pa
 def test_hybrid_linear_attention_adapters_serve_mixed_with_base_like_peft(zoo, tmp_path, monkeypatch, arch):
     """Qwen3.5 (Gated DeltaNet layers), LFM2 (short convolutions) and Granite 4 (Mamba-2), with a recurrent state per
     sequence that llama.cpp cannot trim, and Gemma 4 (per-layer embeddings, layers reading earlier layers' KV, a
-    sliding window shorter than the prompts): an HF base and PEFT adapters on the attention and on every linear (the recurrent layers'
-    projections too), mixed with base traffic at concurrency 4 and two contexts, twice over (the second round meets
-    cached prompts): every answer is PEFT's (transformers') greedy tokens."""
+    sliding window shorter than the prompts): an HF base and PEFT adapters on the attention and on every linear (the
+    recurrent layers' projections too), mixed with base traffic at concurrency 4 and two contexts, twice over (the
+    second round meets cached prompts): every answer is PEFT's (transformers') greedy tokens."""
     monkeypatch.setenv("TUNEPORT_CACHE_DIR", str(tmp_path / "cache"))
     base = zoo.base(arch)
     adapters = {"attention": zoo.adapter(arch, "plain"), "all": zoo.adapter(arch, "all_linear")}

@@ -403,9 +403,10 @@ def test_chunked_attention_is_refused_at_start_with_what_serves_it(zoo, tmp_path
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2", "gemma4_text", "granitemoehybrid"])
 def test_hybrid_linear_attention_mixed_adapters_match_mlx_lm_alone(zoo, tmp_path, arch):
     """Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per sequence), LFM2 (short
-    convolutions), Granite 4 (Mamba-2: a convolution and a scan state per sequence) and Gemma 4 (per-layer embeddings, layers reading earlier layers' KV): the base and adapters on
-    the attention and on every linear, prompts of different lengths at concurrency 6 through the gateway; every
-    answer equals mlx-lm's with only that adapter."""
+    convolutions), Granite 4 (Mamba-2: a convolution and a scan state per sequence) and Gemma 4 (per-layer
+    embeddings, layers reading earlier layers' KV): the base and adapters on the attention and on every linear,
+    prompts of different lengths at concurrency 6 through the gateway; every answer equals mlx-lm's with only that
+    adapter."""
     from tuneport.convert.adapter import load_adapter
     from tuneport.convert.checkpoint import Checkpoint
     from tuneport.convert.mlx.adapters import mlx_adapter, write_mlx_adapter

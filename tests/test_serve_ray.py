@@ -357,7 +357,7 @@ def test_autoscaling_from_one_replica_to_two_and_back(cluster, bundle):
 
 @pytest.mark.vllm
 def test_vllm_replicas_serve_mixed_traffic_equal_to_peft(cluster, zoo, tmp_path):
-    """The same application over the vLLM engine (fp32, CPU): 2 replicas of one vLLM server each, 112 mixed
+    """The same application over the vLLM engine (fp32, CPU): 2 replicas of one vLLM server each, 56 mixed
     requests (base + 6 PEFT adapters from --adapter-dir, half streamed) equal to transformers + PEFT greedy, adapter
     loads within 1.5x the adapters."""
     from tuneport.toolkit.fidelity import greedy, load_hf, load_peft
@@ -375,7 +375,7 @@ def test_vllm_replicas_serve_mixed_traffic_equal_to_peft(cluster, zoo, tmp_path)
                         vllm_args=["--enforce-eager", "--max-num-seqs", "16"], log_file=tmp_path / "vllm.log")
     with RayServer(opts) as server:
         settle(server.url, 2, timeout=300)
-        results = traffic(server.url, 112, seed=5, base="llama-fp32")
+        results = traffic(server.url, 56, seed=5, base="llama-fp32")
         assert check_answers(results, want) == 0
         time.sleep(1.5)
         routed = loads(server.url)

@@ -13,10 +13,9 @@ from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON, NO_BIASES
 from ..layer_kinds import granite_hybrid_layer_kinds
 from ..mlx.arch_facts import MlxArch, granite_hybrid_config
-from ..split_linears import SplitLinear
 from .granite import MULTIPLIER_HPARAMS, MULTIPLIER_RULES
 from .qwen3_5_text import LINEAR_ATTENTION_RULES
-from .spec import ATTENTION_LINEARS, ArchSpec
+from .spec import ATTENTION_LINEARS, ArchSpec, SplitLinear
 
 MAMBA_LINEARS = ("in_proj", "out_proj")
 SHARED_MLP_LINEARS = ("input_linear", "output_linear")
@@ -45,7 +44,12 @@ def _gguf_hparams(cfg: dict) -> dict[str, object]:
 
 def _kinds(value, cfg: dict) -> str | None:
     kinds = set(granite_hybrid_layer_kinds(cfg))
-    return None if kinds <= {"mamba", "attention"} else f"layer types {sorted(kinds)}"
+    if not kinds <= {"mamba", "attention"}:
+        return f"layer types {sorted(kinds)}"
+    if "mamba" not in kinds:  # llama.cpp aborts loading it (GGML_ASSERT(buffer): an empty recurrent state)
+        return ("llama.cpp's granitehybrid graph needs a Mamba layer, and this model has none (Granite-4.0-Micro's "
+                "shape); llama.cpp's converter writes it as a Granite 3 model, which tuneport does not do yet")
+    return None
 
 
 def _positions(value, cfg: dict) -> str | None:

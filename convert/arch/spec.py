@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from ..calibration.layouts import AWQArch
     from ..gguf.arch_facts import GGUFArch
     from ..mlx.arch_facts import MlxArch
-    from ..split_linears import SplitLinear
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LLAMA_LINEARS = (*ATTENTION_LINEARS, "gate_proj", "up_proj", "down_proj")
@@ -54,6 +53,15 @@ class ExpertLayout:
             raise UserError(f"config.json gives no expert count ({' or '.join(self.expert_count_keys)}: {count!r})",
                             "add the number of experts per layer to config.json")
         return count
+
+
+@dataclass(frozen=True)
+class SplitLinear:
+    """A fused linear (module suffix inside a layer) an engine keeps apart as the modules its output rows are, equal
+    blocks in order (one part: a rename); ``convert.split_linears`` applies it to tensors and LoRA."""
+
+    fused: str  # e.g. "shared_mlp.input_linear"
+    parts: tuple[str, ...]  # e.g. ("mlp.gate_proj", "mlp.up_proj")
 
 
 @dataclass(frozen=True)
