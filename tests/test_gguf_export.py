@@ -97,6 +97,29 @@ def test_every_architecture_lora_matches_peft(zoo, tmp_path, cli, arch):
     assert cmp.max_abs <= {**TOL, **ARCH_TOL.get(arch, {})}["f32"], cmp
 
 
+def test_granite4_without_mamba_layers_runs_as_a_granite_3_model(tmp_path, cli):
+    """Granite-4.0-Micro's shape (granitemoehybrid, every layer attention, RoPE): written as llama.cpp's granite graph,
+    as its converter writes it (its granitehybrid graph aborts loading a model without a recurrent layer), the shared
+    MLP as the MLP; the base and an adapter on all linears as a GGUF LoRA = transformers and PEFT."""
+    import gguf
+
+    from tuneport.toolkit.tiny import make_base
+    from tuneport.toolkit.tiny.adapters import make_adapter
+
+    base = make_base("granitemoehybrid", tmp_path / "micro",
+                     dims={"layer_types": ["attention"] * 4, "position_embedding_type": "rope"})
+    adapter = make_adapter(base, "all_linear", tmp_path / "adapter")
+    export(cli, "--base", base, "--quant", "f32", "--adapters", "separate", "--adapter", f"a={adapter}",
+           "--out", tmp_path / "gguf")
+    model, lora = tmp_path / "gguf" / "micro-F32.gguf", tmp_path / "gguf" / "adapters" / "a-F32.gguf"
+    for path in (model, lora):
+        assert gguf.GGUFReader(str(path)).get_field("general.architecture").contents() == "granite"
+    base_cmp = gguf_vs(logits(load_hf(base), torch.tensor([IDS]))[0], model)
+    lora_cmp = gguf_vs(logits(load_peft(base, adapter), torch.tensor([IDS]))[0], model, lora)
+    print(f"\nGranite-4.0-Micro's shape: base max|d| {base_cmp.max_abs:.2e}, LoRA {lora_cmp.max_abs:.2e}")
+    assert base_cmp.max_abs <= TOL["f32"] and lora_cmp.max_abs <= TOL["f32"], (base_cmp, lora_cmp)
+
+
 # Llama 4 as released exports its text model (llama4_text) renamed: its parity and LoRA tests cover the renaming, the
 # expert LoRA runs on llama4_text (CI time)
 MOE = [a for a in supported("gguf") if (spec := known_arch(a)) is not None and spec.experts is not None

@@ -46,10 +46,19 @@ def _kinds(value, cfg: dict) -> str | None:
     kinds = set(granite_hybrid_layer_kinds(cfg))
     if not kinds <= {"mamba", "attention"}:
         return f"layer types {sorted(kinds)}"
-    if "mamba" not in kinds:  # llama.cpp aborts loading it (GGML_ASSERT(buffer): an empty recurrent state)
-        return ("llama.cpp's granitehybrid graph needs a Mamba layer, and this model has none (Granite-4.0-Micro's "
-                "shape); llama.cpp's converter writes it as a Granite 3 model, which tuneport does not do yet")
+    if "mamba" not in kinds and cfg.get("position_embedding_type") != "rope":
+        return ("a Granite 4 without Mamba layers runs as llama.cpp's granite graph (as its converter writes it), "
+                "which always applies RoPE; this model has none")
     return None
+
+
+def _devolve(cfg: dict) -> tuple[str, dict] | None:
+    """A Granite 4 without Mamba layers (Granite-4.0-Micro) as llama.cpp's converter writes it: a Granite 3 model
+    (``granite``), the shared MLP its MLP. llama.cpp's granitehybrid graph aborts loading it (an empty recurrent
+    state: GGML_ASSERT(buffer))."""
+    if "mamba" in granite_hybrid_layer_kinds(cfg):
+        return None
+    return "granite", {**cfg, "intermediate_size": cfg["shared_intermediate_size"]}
 
 
 def _positions(value, cfg: dict) -> str | None:
@@ -104,7 +113,8 @@ ARCH = ArchSpec(
            "which llama.cpp cannot adapt)",
            "Granite's embedding, attention, residual and logit multipliers (GGUF scales); attention without RoPE in "
            "the hybrid models",
-           "GGUF and MLX: the shared MLP's input_linear written as gate and up projections"),
+           "GGUF and MLX: the shared MLP's input_linear written as gate and up projections; GGUF: a model without "
+           "Mamba layers (Granite-4.0-Micro) written as llama.cpp's granite graph, as its converter does"),
     gguf=GGUFArch((
         ("context_length", ("max_position_embeddings",), "u32"),
         ("embedding_length", ("hidden_size",), "u32"),
@@ -113,7 +123,7 @@ ARCH = ArchSpec(
     ) + MULTIPLIER_HPARAMS, {
         **COMMON, "attention_bias": NO_BIASES["attention_bias"], **MULTIPLIER_RULES, **MAMBA_RULES,
         "intermediate_size": KeyRule("inert", "the experts' width: a model without experts does not read it"),
-    }, mamba2=True, write_vocab_size=True, write_rope_dims=True, keep_f32=("ssm_conv1d.weight",),
+    }, mamba2=True, devolve=_devolve, write_vocab_size=True, write_rope_dims=True, keep_f32=("ssm_conv1d.weight",),
         squeezed=("mamba.conv1d.weight",), derived_hparams=_gguf_hparams,
         no_lora=(("ssm_conv1d.weight", "its convolution (ggml_ssm_conv) takes no LoRA"),)),
     mlx=MlxArch("granitemoehybrid", (granite_hybrid_config,),

@@ -52,6 +52,9 @@ class GGUFArch:
     delta_net: bool = False
     # Mamba-2 layers (Granite 4's hybrid): their tensors' renames and layouts, ssm.* hyperparameters (``gguf.mamba2``)
     mamba2: bool = False
+    # config -> (another entry's model_type, the config as that entry reads it) where llama.cpp runs this config as
+    # that architecture (its converter's own choice: a Granite 4 without Mamba layers is a Granite 3 model), else None
+    devolve: Callable[[dict], tuple[str, dict] | None] | None = None
     dropped_prefixes: tuple[str, ...] = ()  # checkpoint tensors llama.cpp's graph does not load (an MTP head)
     # bare parameters (GGUF names without a suffix) llama.cpp loads as ``<name>.weight`` (gpt-oss's ``attn_sinks``)
     weight_suffixed: tuple[str, ...] = ()

@@ -22,7 +22,7 @@ from ..experts import expert_tensor, stack_expert_loras
 from ..merge import WeightedAdapter, plan_merge
 from ..split_linears import split_lora_modules
 from . import linear_attention
-from .model import gguf_arch_for, permute_qk, qk_heads, tensor_name_map
+from .model import gguf_graph, permute_qk, qk_heads, tensor_name_map
 
 MERGE_HINT = "use --adapters merge"
 
@@ -30,6 +30,7 @@ MERGE_HINT = "use --adapters merge"
 @dataclass
 class GGUFLora:
     alpha: float
+    gguf_name: str  # llama.cpp's architecture, the base GGUF's
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # GGUF name -> tensor (torch shape)
     folded: list[str] = field(default_factory=list)  # modules whose scale was folded into lora_b
 
@@ -66,16 +67,16 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     problems = lora_refusals(adapter, base, arch)
     if problems:
         raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
-    garch = gguf_arch_for(arch)  # refuses an architecture without a GGUF table entry
     cfg = base.config
-    tmap = tensor_name_map(arch.gguf_arch, int(cfg["num_hidden_layers"]))
+    gguf_name, garch, _ = gguf_graph(arch, cfg)  # refuses an architecture without a GGUF table entry
+    tmap = tensor_name_map(gguf_name, int(cfg["num_hidden_layers"]))
     ranks = {m.rank for m in adapter.modules.values()}
     acfg = adapter.config
     uniform = not (acfg.get("rank_pattern") or acfg.get("alpha_pattern")) and len(ranks) == 1
     alpha = float(acfg["lora_alpha"])
     if uniform and acfg.get("use_rslora"):
         alpha = alpha * math.sqrt(next(iter(ranks)))
-    lora = GGUFLora(alpha)
+    lora = GGUFLora(alpha, gguf_name)
     q_factor = gguf_config_facts(arch.model_type, cfg).q_proj_factor
     experts: dict[str, dict[int, LoraModule]] = {}  # stacked GGUF tensor -> expert -> its LoRA
     expert_key = expert_tensor(arch)
@@ -132,7 +133,7 @@ def _stack_experts(lora: GGUFLora, gname: str, mods: dict[int, LoraModule], n_ex
 def write_gguf_lora(out: Path, lora: GGUFLora, arch: ArchSpec, name: str) -> None:
     import gguf
 
-    writer = gguf.GGUFWriter(str(out), arch.gguf_arch)
+    writer = gguf.GGUFWriter(str(out), lora.gguf_name)
     writer.add_type("adapter")
     writer.add_name(name)
     writer.add_string("adapter.type", "lora")

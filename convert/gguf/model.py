@@ -43,6 +43,16 @@ def gguf_arch_for(arch: ArchSpec) -> GGUFArch:
     return arch.gguf
 
 
+def gguf_graph(arch: ArchSpec, config: dict) -> tuple[str, GGUFArch, dict]:
+    """(llama.cpp's architecture name, its GGUF facts, the config as they read it) for ``config`` of ``arch``: the
+    entry's own, or those of the architecture llama.cpp runs this config as (``GGUFArch.devolve``)."""
+    garch = gguf_arch_for(arch)
+    if garch.devolve is not None and (devolved := garch.devolve(config)) is not None:
+        other, graph_config = devolved
+        return ARCHS[other].gguf_arch, gguf_arch_for(ARCHS[other]), graph_config
+    return arch.gguf_arch, garch, config
+
+
 def _cfg(config: dict, keys: Iterable[str]):
     for k in keys:
         if config.get(k) is not None:
@@ -135,7 +145,8 @@ class TensorPlan:
 class GGUFModelPlan:
     arch: ArchSpec
     garch: GGUFArch
-    config: dict
+    config: dict  # as the GGUF's architecture reads it (``gguf_graph``)
+    gguf_name: str = ""  # llama.cpp's architecture
     tensors: list[TensorPlan] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # generated tensors (rope_freqs)
     facts: GGUFConfigFacts = field(default_factory=GGUFConfigFacts)  # the config audit's decisions
@@ -149,10 +160,11 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     expert_type = "MXFP4" if direct_type == "MXFP4_MOE" else direct_type
     direct_type = "Q8_0" if direct_type == "MXFP4_MOE" else direct_type
 
-    garch = gguf_arch_for(arch)
+    gguf_name, garch, graph_config = gguf_graph(arch, config)
     n_layers = int(config["num_hidden_layers"])
-    tmap = tensor_name_map(arch.gguf_arch, n_layers)
-    plan = GGUFModelPlan(arch, garch, config, facts=gguf_config_facts(arch.model_type, config))
+    tmap = tensor_name_map(gguf_name, n_layers)
+    plan = GGUFModelPlan(arch, garch, graph_config, gguf_name=gguf_name,
+                         facts=gguf_config_facts(arch.model_type, config))
     tied = config.get("tie_word_embeddings") is True
     stacks = {name: (f"{block}.experts.{proj}" + ("" if proj.endswith(".bias") else ".weight"), order)
               for name, (block, proj, order) in expert_groups(arch, config, [n for n, _ in shapes]).items()}
@@ -240,7 +252,7 @@ def _matrix_type(direct_type: str, shape: tuple[int, ...]) -> str:
 def _gguf_name(tmap, name: str, arch: ArchSpec) -> str:
     gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
     if gname is None:
-        raise UserError(f"tensor {name} has no GGUF name for {arch.gguf_arch}",
+        raise UserError(f"tensor {name} has no GGUF name for {arch.model_type}",
                         "the checkpoint has weights this architecture does not define")
     return gname
 
@@ -249,7 +261,7 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
     cfg, garch = plan.config, plan.garch
     writer.add_type("model")
     writer.add_name(name)
-    arch = plan.arch.gguf_arch
+    arch = plan.gguf_name
     writer.add_uint32(f"{arch}.block_count", int(cfg["num_hidden_layers"]))
     for suffix, keys, kind in garch.hparams:
         value = _cfg(cfg, keys)
@@ -419,7 +431,7 @@ def write_gguf_models(
 
     writers = []
     for out, plan, file_type in targets:
-        writer = _hashing_writer(out, plan.arch.gguf_arch)
+        writer = _hashing_writer(out, plan.gguf_name)
         n_vocab = next(t.shape[0] for t in plan.tensors if t.gguf_name == "token_embd.weight")
         write_hparams(writer, plan, n_vocab=n_vocab, file_type=file_type, name=name)
         vocab.write(writer)
