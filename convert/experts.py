@@ -34,6 +34,9 @@ def fit_to_base(adapter: Adapter, base: Checkpoint) -> Adapter:
     if layout is None:
         if adapter.param_loras:
             targets = ", ".join(adapter.config.get("target_parameters") or [])
+            if arch is not None and (why := arch.refusals.get("expert_lora")):
+                raise UserError(f"adapter {adapter.name} has LoRA on raw parameters ({targets}): {why}",
+                                "train the adapter on the other modules, or merge it with PEFT (merge_and_unload)")
             raise UserError(f"adapter {adapter.name} has LoRA on raw parameters ({targets}), which "
                             f"{base.model_type or 'this base'} has no experts for",
                             "the adapter was trained on another model: pass the base it was trained on")

@@ -58,6 +58,11 @@ def _meta_model(path: Path):
         return AutoModelForCausalLM.from_config(config)
 
 
+def _disk_name(renames: tuple[tuple[str, str], ...], name: str) -> str:
+    """``name`` as checkpoints store it (``ArchSpec.disk_renames``)."""
+    return next((name.removesuffix(memory) + disk for memory, disk in renames if name.endswith(memory)), name)
+
+
 def check_hf_dir(path: Path, tensors: bool = True) -> str:
     """Check the HF model directory ``path`` (config, tokenizer, and with ``tensors`` every tensor's name and
     shape: quantized directories pack theirs); what was checked."""
@@ -85,6 +90,7 @@ def check_hf_dir(path: Path, tensors: bool = True) -> str:
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     if (arch := known_arch(getattr(model.config, "model_type", None))) is not None:
         expected = disk_shapes(arch, expected)  # mixture-of-experts: one tensor per expert on disk
+        expected = {_disk_name(arch.disk_renames, n): shape for n, shape in expected.items()}
     written = _written_shapes(path)
     expected = disk_names(getattr(model.config, "model_type", None), expected, written)  # multimodal layouts
     tied = set(disk_names(getattr(model.config, "model_type", None), dict.fromkeys(_tied_keys(model), ()), written))

@@ -23,8 +23,14 @@ class Part:
     count: int
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """This part's rows of the fused weight (or of a LoRA's B)."""
-        return t.chunk(self.count, dim=0)[self.index].contiguous()
+        """This part's rows of the fused weight ``[out, in]``, of stacked experts' ``[E, out, in]``, or of a LoRA's
+        B."""
+        return t.chunk(self.count, dim=max(t.dim() - 2, 0))[self.index].contiguous()
+
+    def shape(self, fused: tuple[int, ...]) -> tuple[int, ...]:
+        """The part's shape in a fused weight of shape ``fused`` (its rows: the next-to-last axis, or the only one)."""
+        axis = max(len(fused) - 2, 0)
+        return (*fused[:axis], fused[axis] // self.count, *fused[axis + 1:])
 
 
 def module_parts(arch: ArchSpec, config: dict, module: str) -> list[Part] | None:
@@ -70,5 +76,5 @@ def part_shape(arch: ArchSpec, config: dict, shape_of: Callable[[str], tuple[int
             if name.endswith(f".{part}.weight"):
                 fused = shape_of(name[: -len(f"{part}.weight")] + f"{split.fused}.weight")
                 if fused is not None:
-                    return (fused[0] // len(split.parts), *fused[1:])
+                    return Part(name, 0, len(split.parts)).shape(fused)
     return None

@@ -10,6 +10,7 @@ from .arch import ArchSpec, known_arch
 from .checkpoint import Checkpoint
 from .errors import UserError
 from .multimodal import TEXT_TOWERS, vision_parts
+from .vllm_facts import VllmFacts
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_MODULES_TO_SAVE_OK = ("classifier", "score")
@@ -45,77 +46,20 @@ def float16_refusal(model_type: str, what: str) -> UserError | None:
                      "use bf16 (with --target awq: --format compressed-tensors, whose scales may be bf16)")
 
 
-def llama_4_scaling(config: dict) -> dict:
-    """vLLM 0.32 runs Ministral3ForCausalLM with its Mistral model, which applies Llama 4's attention temperature
-    only from ``config.llama_4_scaling`` (Mistral's own params format) and ignores transformers'
-    ``rope_parameters.llama_4_scaling_beta``: past the original context its logits would differ."""
-    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    beta = rp.get("llama_4_scaling_beta")
-    if not beta or "llama_4_scaling" in config:
-        return {}
-    return {"llama_4_scaling": {"beta": beta, "original_max_position_embeddings":
-                                rp.get("original_max_position_embeddings") or config["max_position_embeddings"]}}
-
-
-def lfm2_dims(config: dict) -> dict:
-    """vLLM 0.32's Lfm2ForCausalLM reads ``block_dim`` (the MLP's input) and ``conv_dim`` (the convolution's width),
-    which transformers never writes: both the hidden size."""
-    return {k: config["hidden_size"] for k in ("block_dim", "conv_dim") if k not in config}
-
-
-# model_type -> the config.json keys vLLM needs to compute what transformers computes (added beside the others)
-VLLM_CONFIG_FIXES = {"ministral3": llama_4_scaling, "lfm2": lfm2_dims}
-
-
-def llama4_temperature(config: dict) -> dict:
-    """vLLM 0.32's Llama 4 takes ``attn_temperature_tuning`` from generation_config.json alone and, without it there,
-    turns the query temperature of the layers without RoPE on only when max_model_len > 32768; transformers applies it
-    whenever config.json says so (from position 8191 on it changes the logits)."""
-    return {"attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True))}
-
-
-# model_type -> the generation_config.json keys vLLM reads model settings from
-VLLM_GENERATION_FIXES = {"llama4_text": llama4_temperature}
+def _facts(config: dict) -> VllmFacts:
+    arch = known_arch(str(config.get("model_type")))
+    return arch.vllm_facts if arch is not None else VllmFacts()
 
 
 def vllm_generation_updates(config: dict) -> dict:
     """Keys to set in generation_config.json so that vLLM computes what transformers does (none for most models)."""
-    fix = VLLM_GENERATION_FIXES.get(str(config.get("model_type")))
+    fix = _facts(config).generation_fix
     return fix(config) if fix else {}
-
-
-def gpt_oss_fixed(config: dict) -> str | None:
-    """What vLLM 0.32's GptOssForCausalLM hard-codes instead of reading config.json: RMSNorm eps 1e-5, a sliding
-    window on the even layers (layer_types unread), SwiGLU alpha 1.702 and limit 7.0."""
-    eps = config.get("rms_norm_eps", 1e-5)
-    types = config.get("layer_types")
-    if eps != 1e-5:
-        return f"vLLM's gpt-oss uses RMSNorm eps 1e-5 whatever config.json says (this model: {eps})"
-    if types and list(types) != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))]:
-        return "vLLM's gpt-oss puts the sliding window on the even layers whatever layer_types says"
-    if (config.get("swiglu_limit", 7.0), config.get("swiglu_alpha", 1.702)) != (7.0, 1.702):
-        return "vLLM's gpt-oss hard-codes SwiGLU alpha 1.702 and limit 7.0"
-    return None
-
-
-def lfm2_fixed(config: dict) -> str | None:
-    """vLLM 0.32's Lfm2ForCausalLM always ties the output projection to the embeddings and sizes its heads at
-    hidden / heads."""
-    if config.get("tie_word_embeddings", True) is False:
-        return "vLLM's LFM2 always projects the output with the embeddings (this model has its own lm_head)"
-    heads, head_dim = int(config["num_attention_heads"]), config.get("head_dim")
-    if head_dim is not None and head_dim * heads != int(config["hidden_size"]):
-        return f"vLLM's LFM2 sizes its heads at hidden_size / num_attention_heads, not head_dim {head_dim}"
-    return None
-
-
-# model_type -> why vLLM would compute otherwise than transformers with this config.json (None: it does not)
-VLLM_CONFIG_CHECKS = {"gpt_oss": gpt_oss_fixed, "lfm2": lfm2_fixed}
 
 
 def vllm_config_refusal(config: dict) -> UserError | None:
     """The error for a config.json vLLM runs with values of its own, or None."""
-    check = VLLM_CONFIG_CHECKS.get(str(config.get("model_type")))
+    check = _facts(config).config_check
     if check is None or (why := check(config)) is None:
         return None
     return UserError(f"--target vllm: {why}", "export for llama.cpp or mlx-lm (--target gguf / mlx), which read it")
@@ -135,8 +79,14 @@ def native_architectures(config: dict) -> dict:
 def vllm_config_updates(config: dict) -> dict:
     """Keys to add to (or replace in) ``config`` so that vLLM loads it and computes what transformers does with it
     (none for most models)."""
-    fix = VLLM_CONFIG_FIXES.get(str(config.get("model_type")))
+    fix = _facts(config).config_fix
     return {**native_architectures(config), **(fix(config) if fix else {})}
+
+
+def routed_experts(config: dict) -> bool:
+    """The config declares routed experts (Granite 4's H-Tiny / H-Small, whose architecture also runs without)."""
+    count = config.get("num_local_experts") or config.get("num_experts")
+    return isinstance(count, int) and count > 0
 
 
 def vllm_refusal(model_type: str) -> str | None:
@@ -183,7 +133,7 @@ def preflight(adapter: Adapter, arch: ArchSpec | None, base: Checkpoint | None =
     if top > limit:
         pf.problems.append(f"rank {top} is above the --max-lora-rank limit {limit}: "
                            f"{MERGE_HINT}, or raise --max-lora-rank")
-    if arch is not None and arch.experts is not None:
+    if arch is not None and (arch.experts is not None or (base is not None and routed_experts(base.config))):
         pf.problems.append(f"{MOE_LORA_REFUSAL}: {MOE_HINT}")
     if arch is not None and arch.model_type in TEXT_TOWERS and (vision := vision_parts(adapter, arch.model_type)):
         more = f" and {len(vision) - 1} more" if len(vision) > 1 else ""

@@ -48,6 +48,7 @@ REFUSED: dict[tuple[str, str], str] = {
     ("microsoft--Phi-4-mini-instruct", "mlx"): "mlx-lm's SuScaledRoPE rotates with LongRoPE's long factors at every "
                                                "length",
     ("google--gemma-2-9b-it", "mlx"): "mlx-lm's Gemma 2 has no sliding window",
+    ("ibm-granite--granite-4.0-h-small", "gguf"): "does not export Granite 4's routed experts yet",
     ("peft--phi-3-mini-merged", "mlx"): "uses a sliding window of 2047 tokens, which mlx-lm does not implement",
     **{(name, t): QUANTIZED for name in ("axolotl--llama2-7b-qlora", "peft--tinyllama-merged-keeps-bnb-quant",
                                          "mlx-lm--llama-3.2-1b-fused", "mistralai--Devstral-Small-2-24B-Instruct")

@@ -83,6 +83,28 @@ def test_what_vllm_hard_codes_for_gpt_oss_is_refused(zoo, tmp_path, cli, patch, 
     assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err
 
 
+@pytest.mark.parametrize(("patch", "why"), [
+    ({"time_step_limit": [0.0, 10.0]}, "never clamps the Mamba step size"),
+    ({"mamba_n_groups": 2}, "normalizes the Mamba output per group"),
+])
+def test_what_vllm_hard_codes_for_granite_4_is_refused(zoo, tmp_path, cli, patch, why):
+    """vLLM's GraniteMoeHybridForCausalLM never clamps the step size and normalizes per group: a Granite 4 that clamps
+    (time_step_limit) or has several groups is refused for --target vllm (exit 2, nothing written); the released
+    configs (no clamp, one group) export (tests/test_vllm_export.py serves them)."""
+    import json
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in zoo.base("granitemoehybrid").iterdir():
+        (base / f.name).symlink_to(f)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").unlink()
+    (base / "config.json").write_text(json.dumps({**cfg, **patch}))
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", out)
+    assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err
+
+
 def test_llama4_temperature_reaches_vllm_through_generation_config(zoo, tmp_path, cli):
     """vLLM 0.32's Llama 4 reads attn_temperature_tuning from generation_config.json only (on by default only past a
     32768-token max_model_len); transformers from config.json. The bundle's generation_config.json carries it, read

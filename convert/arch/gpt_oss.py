@@ -7,6 +7,7 @@ from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, SLIDING, GGUFArch
 from ..gguf.config_rules import COMMON, MOE, YARN_READS, attention_layer_types
 from ..mlx.arch_facts import MlxArch, rope_top_level
+from ..vllm_facts import VllmFacts, gpt_oss_fixed
 from .spec import ATTENTION_LINEARS, ArchSpec, ExpertLayout
 
 
@@ -51,6 +52,7 @@ ARCH = ArchSpec(
                              "attention_bias": KeyRule("refused unless", "true", must_be(
                                  True, why="mlx-lm's gpt_oss always adds attention biases"))},
                 notes=("experts stacked into mlx-lm's SwitchGLU (mlp.experts), biases included",)),
+    vllm_facts=VllmFacts(config_check=gpt_oss_fixed),
     refusals={"awq": "tuneport's AWQ pass has no scale groups for gpt-oss's fused, biased experts yet",
               "exl3": "not built yet: exllamav3's gpt_oss reads the experts fused as transformers holds them (gate "
                       "and up interleaved), tuneport's EXL3 writer quantizes one linear per expert (CUDA only)"},

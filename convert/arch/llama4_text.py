@@ -9,6 +9,7 @@ from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import COMMON_HPARAMS, EXPERTS, GGUFArch
 from ..gguf.config_rules import COMMON, LLAMA_ROPE, MOE, layer_pattern
 from ..mlx.arch_facts import MlxArch, rope_scaling_key, rope_top_level
+from ..vllm_facts import VllmFacts, llama4_temperature
 from .spec import LLAMA_LINEARS, ArchSpec, ExpertLayout
 
 GRAPH = "llama.cpp's llama4 graph"
@@ -104,6 +105,7 @@ ARCH = ArchSpec(
                     **layer_rules("mlx-lm's llama4")},
                 notes=("config nested under text_config and weights under language_model., as mlx-lm's llama4 "
                        "reads them; experts stacked into its SwitchGLU (feed_forward.experts)",)),
+    vllm_facts=VllmFacts(generation_fix=llama4_temperature),
     refusals={"awq": "tuneport's AWQ pass has no scale groups for Llama 4's fused, input-weighted experts yet",
               "exl3": "exllamav3 has no architecture for Llama4ForCausalLM"},
 )

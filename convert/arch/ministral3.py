@@ -7,6 +7,7 @@ from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import COMMON_HPARAMS, GGUFArch
 from ..gguf.config_rules import COMMON, NO_SLIDING_GRAPH, ROPE_TYPES, rope_check
 from ..mlx.arch_facts import MlxArch
+from ..vllm_facts import VllmFacts, llama_4_scaling
 from .spec import ArchSpec
 
 WHOLE_HEAD = "transformers' Ministral 3 rotates the whole head (a partial rotary factor fails in its attention)"
@@ -42,4 +43,5 @@ ARCH = ArchSpec(
     mlx=MlxArch("ministral3", (), notes=("mlx-lm's ministral3 reads rope_parameters as transformers 5 writes it",)),
     awq=transformers_layout("ministral3", "Ministral3"),
     exl3=True,
+    vllm_facts=VllmFacts(config_fix=llama_4_scaling),
 )

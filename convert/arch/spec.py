@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from ..vllm_facts import VllmFacts
 
 if TYPE_CHECKING:
     from ..calibration.layouts import AWQArch
@@ -117,6 +118,10 @@ class ArchSpec:
     # (stored prefix, the model's own): a text model saved under its multimodal parent's names, which readers strip
     stored_prefixes: tuple[tuple[str, str], ...] = ()
     refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # target -> why it refuses
+    # (in-memory name suffix, on-disk name suffix): tensors transformers 5 loads under other names than its checkpoints
+    # keep (Granite 4's experts: block_sparse_moe.input_linear.weight is experts.gate_up_proj in memory)
+    disk_renames: tuple[tuple[str, str], ...] = ()
+    vllm_facts: VllmFacts = VllmFacts()  # what vLLM's model class reads elsewhere or hard-codes (``vllm_facts``)
     # config -> the fused linears the GGUF and MLX writers write as separate modules (``convert.split_linears``)
     split_linears: Callable[[dict], tuple[SplitLinear, ...]] | None = None
 

@@ -182,7 +182,7 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
             continue
         if (parts := tensor_parts(arch, config, name)) is not None:  # a fused linear llama.cpp keeps apart
             for part_name, part in parts:
-                part_shape = (shape[0] // part.count, *shape[1:])
+                part_shape = part.shape(tuple(shape))
                 plan.tensors.append(TensorPlan(name, _gguf_name(tmap, part_name, arch), part_shape,
                                                _matrix_type(direct_type, part_shape), part.rows))
             continue

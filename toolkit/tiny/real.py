@@ -37,6 +37,7 @@ GEMMA4_AUDIO = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads"
                 "subsampling_conv_channels": [8, 4], "output_proj_dims": 64}
 # Gated DeltaNet heads (Qwen3.5): 2 key heads, 4 value heads where the real ones differ, 64 wide
 LINEAR_KEY_HEADS, LINEAR_HEAD_DIM = 2, 64
+MAMBA_HEADS, MAMBA_STATE = 8, 16  # Granite 4's Mamba-2 layers: heads of 2 x HIDDEN / 8, a state of 16
 MM_TOKENS_PER_IMAGE = 4
 
 
@@ -92,6 +93,14 @@ def shrink_text_config(real: dict, vocab_size: int, ids: dict) -> dict:
         for key in ("linear_key_head_dim", "linear_value_head_dim"):
             if key in cfg:
                 cfg[key] = LINEAR_HEAD_DIM
+    if cfg.get("mamba_n_heads"):  # Granite 4's Mamba-2 heads over the tiny inner size (expand x hidden), a small state
+        cfg["mamba_n_heads"] = MAMBA_HEADS
+        if isinstance(cfg.get("mamba_d_head"), int):
+            cfg["mamba_d_head"] = int(cfg.get("mamba_expand") or 2) * HIDDEN // MAMBA_HEADS
+        if cfg.get("mamba_d_state"):
+            cfg["mamba_d_state"] = MAMBA_STATE
+    if cfg.get("shared_intermediate_size"):  # Granite 4's shared MLP: as wide as the dense one or as an expert
+        cfg["shared_intermediate_size"] = EXPERT_INTERMEDIATE if cfg.get("num_local_experts") else INTERMEDIATE
     if cfg.get("global_head_dim") and real.get("head_dim"):  # Gemma 4's full layers: the same ratio to head_dim
         cfg["global_head_dim"] = cfg["head_dim"] * real["global_head_dim"] // real["head_dim"]
     if cfg.get("num_global_key_value_heads") and heads:
