@@ -212,8 +212,22 @@ def _build(model_type: str, cfg: dict):
     cls = type(AutoConfig.for_model(model_type))
     with _quiet():  # a copy: config classes standardize nested dicts (rope_scaling) in place; the special floats
         # transformers' JSON reader decodes ({"__float__": "Infinity"}: Granite 4's time_step_limit) decoded alike
-        return cls.from_dict(cls._decode_special_floats(copy.deepcopy(
-            {k: v for k, v in cfg.items() if k != "model_type"})))
+        return cls.from_dict(decode_special_floats(copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type"})))
+
+
+SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(obj: Any) -> Any:
+    """``obj`` with transformers 5's JSON tags for floats JSON cannot hold (``{"__float__": "Infinity"}``) decoded, as
+    its config reader does."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[obj["__float__"]]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
 
 
 def built_config(cfg: dict) -> dict | None:

@@ -21,3 +21,15 @@ def granite_hybrid_layer_kinds(cfg: dict) -> list[str]:
     names = {"linear_attention": "mamba", "full_attention": "attention"}
     types = cfg.get("layer_types") or cfg.get("layers_block_type")
     return [names.get(t, t) for t in types] if types else ["mamba"] * int(cfg["num_hidden_layers"])
+
+
+def granite_hybrid_experts(cfg: dict) -> int:
+    """Granite 4's routed experts per layer as transformers builds them: ``num_local_experts``, 8 where the file leaves
+    it out (GraniteMoeHybridConfig's default), 0 for the models without (H-Micro, H-1B, H-350M, Micro)."""
+    return int(cfg.get("num_local_experts", 8) or 0)
+
+
+def kv_heads_per_layer(cfg: dict, kinds: list[str], recurrent: str) -> list[int]:
+    """llama.cpp's per-layer ``attention.head_count_kv``: 0 marks a recurrent layer (of kind ``recurrent``)."""
+    kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    return [0 if kind == recurrent else kv for kind in kinds]

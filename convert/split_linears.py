@@ -1,7 +1,8 @@
 """Linears a checkpoint keeps fused that an engine keeps apart: Granite's ``shared_mlp.input_linear`` (the gate rows,
 then the up rows) is llama.cpp's ``ffn_gate`` and ``ffn_up`` and mlx-lm's ``mlp.gate_proj`` and ``mlp.up_proj``. An
-architecture names them (``ArchSpec.split_linears``); the GGUF and MLX writers write each part under its own name,
-and a LoRA on the fused linear becomes one LoRA per part (the same A, B's rows cut alike)."""
+architecture names them per config (``ArchSpec.split_linears``, each a ``SplitLinear``): the GGUF and MLX writers
+write each part under its own name (Granite 4's routed experts in mlx-lm's ``switch_mlp`` names, as only MLX writes
+them), and a LoRA on the fused linear becomes one LoRA per part (the same A, B's rows cut alike)."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def module_parts(arch: ArchSpec, config: dict, module: str) -> list[Part] | None
 
 
 def tensor_parts(arch: ArchSpec, config: dict, name: str) -> list[tuple[str, Part]] | None:
-    """(part tensor name, part) for the fused weight ``name``; None where it is not one (a bias is not split)."""
-    if not name.endswith(".weight") or (parts := module_parts(arch, config, name.removesuffix(".weight"))) is None:
+    """(part tensor name, part) for the fused weight or bias ``name``; None where it is not one."""
+    module, _, kind = name.rpartition(".")
+    if kind not in ("weight", "bias") or (parts := module_parts(arch, config, module)) is None:
         return None
-    return [(f"{p.module}.weight", p) for p in parts]
+    return [(f"{p.module}.{kind}", p) for p in parts]
 
 
 def split_lora_modules(arch: ArchSpec, config: dict, modules: Iterable[LoraModule]) -> list[LoraModule]:

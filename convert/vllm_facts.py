@@ -36,15 +36,11 @@ def lfm2_dims(config: dict) -> dict:
     return {k: config["hidden_size"] for k in ("block_dim", "conv_dim") if k not in config}
 
 
-
-
 def llama4_temperature(config: dict) -> dict:
     """vLLM 0.32's Llama 4 takes ``attn_temperature_tuning`` from generation_config.json alone and, without it there,
     turns the query temperature of the layers without RoPE on only when max_model_len > 32768; transformers applies it
     whenever config.json says so (from position 8191 on it changes the logits)."""
     return {"attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True))}
-
-
 
 
 def gpt_oss_fixed(config: dict) -> str | None:
@@ -72,16 +68,23 @@ def lfm2_fixed(config: dict) -> str | None:
     return None
 
 
+def unclamped(limit) -> bool:
+    """Granite 4's ``time_step_limit`` clamps nothing: (0, inf), as the file says it (``[0.0, Infinity]``, or
+    transformers 5's ``{"__float__": "Infinity"}``) or leaves it to transformers' default."""
+    if limit is None:
+        return True
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+        return False
+    lo, hi = limit
+    return lo in (0, 0.0) and (hi == math.inf or hi == {"__float__": "Infinity"})
+
+
 def granite_hybrid_fixed(config: dict) -> str | None:
     """vLLM 0.32's GraniteMoeHybridForCausalLM never clamps the Mamba step size (its dt limit is (0, inf) whatever
     ``time_step_limit`` says) and normalizes the gated output per group; transformers clamps in its chunked scan and
     normalizes over the whole inner size."""
-    limit = config.get("time_step_limit")
-    if isinstance(limit, (list, tuple)) and len(limit) == 2:
-        lo, hi = limit
-        hi = math.inf if hi == {"__float__": "Infinity"} else hi
-        if lo not in (0, 0.0) or hi != math.inf:
-            return f"vLLM's Granite 4 never clamps the Mamba step size (this model clamps it to {list(limit)})"
+    if not unclamped(limit := config.get("time_step_limit")):
+        return f"vLLM's Granite 4 never clamps the Mamba step size (this model clamps it to {limit})"
     if int(config.get("mamba_n_groups") or 1) != 1:
         return "vLLM's Granite 4 normalizes the Mamba output per group, transformers over the whole inner size"
     return None

@@ -84,8 +84,12 @@ def vllm_config_updates(config: dict) -> dict:
 
 
 def routed_experts(config: dict) -> bool:
-    """The config declares routed experts (Granite 4's H-Tiny / H-Small, whose architecture also runs without)."""
-    count = config.get("num_local_experts") or config.get("num_experts")
+    """The model has routed experts as transformers builds it from ``config`` (Granite 4's H-Tiny / H-Small, whose
+    architecture also runs without; a key the file leaves out counts at transformers' default)."""
+    from .config_reads import built_config
+
+    effective = built_config(config) or config
+    count = effective.get("num_local_experts") or effective.get("num_experts")
     return isinstance(count, int) and count > 0
 
 

@@ -228,8 +228,7 @@ CASES = [
     # Granite-4.0-Micro's shape, which llama.cpp runs as a Granite 3 model (granite): with RoPE, as released
     Case("granitemoehybrid", "layer_types without Mamba", {"layer_types": ["attention"] * 4,
                                                            "position_embedding_type": "rope"}, "parity"),
-    Case("granitemoehybrid", "layer_types without Mamba or RoPE", {"layer_types": ["attention"] * 4},
-         "refused: always applies RoPE"),
+    Case("granitemoehybrid", "layer_types without Mamba or RoPE", {"layer_types": ["attention"] * 4}, "parity"),
     Case("granitemoehybrid", "mamba_n_heads", {"mamba_n_heads": 4, "mamba_d_head": 64}, "parity"),
     Case("granitemoehybrid", "mamba_d_head", {"mamba_n_heads": 16, "mamba_d_head": 16}, "parity"),
     Case("granitemoehybrid", "mamba_d_state", {"mamba_d_state": 32}, "parity"),

@@ -18,6 +18,12 @@ MULTIPLIER_RULES = {
     "logits_scaling": KeyRule("carried", "logit_scale"),
 }
 
+def rope_switch(cfg: dict) -> dict[str, object]:
+    """llama.cpp's granite graphs apply RoPE only while ``rope.scaling.finetuned`` (true when missing): Granite 3
+    always, a Granite 4 by its ``position_embedding_type`` (the hybrids' "nope")."""
+    return {"rope.scaling.finetuned": cfg.get("position_embedding_type", "rope") == "rope"}
+
+
 ARCH = ArchSpec(
     "granite",
     ("GraniteForCausalLM",),
@@ -25,7 +31,7 @@ ARCH = ArchSpec(
     rope_style="normal",
     notes=("embedding, attention, residual and logit multipliers (carried as GGUF scales)",),
     gguf=GGUFArch(COMMON_HPARAMS + MULTIPLIER_HPARAMS, {**COMMON, **NO_BIASES, **MULTIPLIER_RULES},
-                  write_vocab_size=True, write_rope_dims=True),
+                  write_vocab_size=True, write_rope_dims=True, derived_hparams=rope_switch),
     mlx=MlxArch("granite"),
     awq=transformers_layout("granite", "Granite", embed_scale=lambda cfg: cfg.embedding_multiplier),
     refusals={"exl3": "exllamav3 has no architecture for GraniteForCausalLM"},

@@ -11,9 +11,9 @@ channel)."""
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON, NO_BIASES
-from ..layer_kinds import granite_hybrid_layer_kinds
+from ..layer_kinds import granite_hybrid_experts, granite_hybrid_layer_kinds, kv_heads_per_layer
 from ..mlx.arch_facts import MlxArch, granite_hybrid_config
-from ..vllm_facts import VllmFacts, granite_hybrid_fixed
+from ..vllm_facts import VllmFacts, granite_hybrid_fixed, unclamped
 from .granite import MULTIPLIER_HPARAMS, MULTIPLIER_RULES
 from .qwen3_5_text import LINEAR_ATTENTION_RULES
 from .spec import ATTENTION_LINEARS, ArchSpec, SplitLinear
@@ -25,8 +25,8 @@ LINEARS = ATTENTION_LINEARS + MAMBA_LINEARS + SHARED_MLP_LINEARS
 # mlx-lm's mlp.gate_proj / up_proj / down_proj)
 DENSE_MLP = (SplitLinear("shared_mlp.input_linear", ("mlp.gate_proj", "mlp.up_proj")),
              SplitLinear("shared_mlp.output_linear", ("mlp.down_proj",)))
-EXPERTS_NOT_BUILT = ("tuneport does not export Granite 4's routed experts yet (H-Tiny, H-Small); the models without "
-                     "experts (H-Micro, H-1B, H-350M, Micro) export")
+EXPERTS_NOT_BUILT = ("tuneport's GGUF writer does not export Granite 4's routed experts yet (H-Tiny, H-Small: merge, "
+                     "MLX and vLLM do); the models without experts (H-Micro, H-1B, H-350M, Micro) export")
 
 
 # the routed experts as mlx-lm keeps them (its SwitchGLU: switch_mlp.{gate,up,down}_proj [E, out, in]); the shared
@@ -37,15 +37,14 @@ ROUTED_EXPERTS = (SplitLinear("block_sparse_moe.input_linear", ("block_sparse_mo
 
 
 def _split_linears(cfg: dict) -> tuple[SplitLinear, ...]:
-    return ROUTED_EXPERTS if cfg.get("num_local_experts") else DENSE_MLP
+    return ROUTED_EXPERTS if granite_hybrid_experts(cfg) else DENSE_MLP
 
 
 def _gguf_hparams(cfg: dict) -> dict[str, object]:
     """llama.cpp's converter: one KV-head count per layer (0 marks a Mamba layer, which llama.cpp makes recurrent),
     the shared MLP's width as the dense one, no experts, and RoPE switched by ``rope.scaling.finetuned`` (llama.cpp
     applies it when the key is missing)."""
-    kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-    return {"attention.head_count_kv": [0 if k == "mamba" else kv for k in granite_hybrid_layer_kinds(cfg)],
+    return {"attention.head_count_kv": kv_heads_per_layer(cfg, granite_hybrid_layer_kinds(cfg), "mamba"),
             "feed_forward_length": int(cfg["shared_intermediate_size"]), "expert_count": 0, "expert_used_count": 0,
             "rope.scaling.finetuned": cfg.get("position_embedding_type") == "rope"}
 
@@ -54,9 +53,6 @@ def _kinds(value, cfg: dict) -> str | None:
     kinds = set(granite_hybrid_layer_kinds(cfg))
     if not kinds <= {"mamba", "attention"}:
         return f"layer types {sorted(kinds)}"
-    if "mamba" not in kinds and cfg.get("position_embedding_type") != "rope":
-        return ("a Granite 4 without Mamba layers runs as llama.cpp's granite graph (as its converter writes it), "
-                "which always applies RoPE; this model has none")
     return None
 
 
@@ -76,10 +72,7 @@ def _positions(value, cfg: dict) -> str | None:
 def _unclamped(value, cfg: dict) -> str | None:
     """transformers clamps the step size to ``time_step_limit`` in its chunked scan (not in its one-token step);
     llama.cpp never clamps: only (0, inf) computes the same."""
-    lo, hi = (list(value) + [None, None])[:2] if isinstance(value, (list, tuple)) else (None, None)
-    infinite = hi == float("inf") or hi == {"__float__": "Infinity"}
-    return None if lo in (0, 0.0) and infinite else (
-        f"llama.cpp never clamps the Mamba step size; this model clamps it to {value}")
+    return None if unclamped(value) else f"llama.cpp never clamps the Mamba step size; this model clamps it to {value}"
 
 
 MAMBA_RULES = {
@@ -102,7 +95,7 @@ MAMBA_RULES = {
     "mamba_chunk_size": KeyRule("inert", "the block size of transformers' chunked scan: the same sums"),
     "number_of_conv_states": LINEAR_ATTENTION_RULES["number_of_conv_states"],
     "shared_intermediate_size": KeyRule("carried", "feed_forward_length (the shared MLP is the dense one)"),
-    "num_local_experts": KeyRule("refused unless", "0", must_be(0, None, why=EXPERTS_NOT_BUILT)),
+    "num_local_experts": KeyRule("refused unless", "0", must_be(0, why=EXPERTS_NOT_BUILT)),
     "num_experts_per_tok": KeyRule("inert", "read only with routed experts (num_local_experts, refused above 0)"),
     "router_aux_loss_coef": KeyRule("inert", "a training loss"),
     "output_router_logits": KeyRule("inert", "returns the router's logits for that loss"),

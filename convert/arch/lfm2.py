@@ -8,7 +8,7 @@ called ``embedding_norm``."""
 from ..config_audit import KeyRule, must_be
 from ..gguf.arch_facts import GGUFArch
 from ..gguf.config_rules import COMMON
-from ..layer_kinds import lfm2_layer_kinds
+from ..layer_kinds import kv_heads_per_layer, lfm2_layer_kinds
 from ..mlx.arch_facts import MlxArch, lfm2_config
 from ..vllm_facts import VllmFacts, lfm2_dims, lfm2_fixed
 from .spec import ArchSpec
@@ -31,8 +31,7 @@ def ff_dim(cfg: dict) -> int:
 def _gguf_hparams(cfg: dict) -> dict[str, object]:
     """llama.cpp's converter: one KV-head count per layer (0 marks a conv layer, which llama.cpp makes recurrent),
     the MLP's effective width, the conv's taps."""
-    kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-    return {"attention.head_count_kv": [0 if t == "conv" else kv for t in lfm2_layer_kinds(cfg)],
+    return {"attention.head_count_kv": kv_heads_per_layer(cfg, lfm2_layer_kinds(cfg), "conv"),
             "feed_forward_length": ff_dim(cfg), "shortconv.l_cache": int(cfg.get("conv_L_cache", 3))}
 
 

@@ -117,12 +117,14 @@ class ArchSpec:
     text_tower: TextTower | None = None  # a multimodal checkpoint: where its text model lies
     # (stored prefix, the model's own): a text model saved under its multimodal parent's names, which readers strip
     stored_prefixes: tuple[tuple[str, str], ...] = ()
-    refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # target -> why it refuses
+    # target -> why it refuses; "expert_lora": why LoRA on the experts is refused where the rest is exported
+    refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # (in-memory name suffix, on-disk name suffix): tensors transformers 5 loads under other names than its checkpoints
     # keep (Granite 4's experts: block_sparse_moe.input_linear.weight is experts.gate_up_proj in memory)
     disk_renames: tuple[tuple[str, str], ...] = ()
     vllm_facts: VllmFacts = VllmFacts()  # what vLLM's model class reads elsewhere or hard-codes (``vllm_facts``)
-    # config -> the fused linears the GGUF and MLX writers write as separate modules (``convert.split_linears``)
+    # config -> the fused linears the GGUF and MLX writers write as separate modules (``convert.split_linears``; the
+    # names are what both engines call the parts, or the only writer's that takes them)
     split_linears: Callable[[dict], tuple[SplitLinear, ...]] | None = None
 
     @property

@@ -143,7 +143,7 @@ def export_gguf(opts: ExportOptions, progress: Progress | None = None) -> Export
             (tmp / "adapters").mkdir()
         for adapter, lora in loras:
             path = tmp / "adapters" / f"{adapter.name}-F32.gguf"
-            write_gguf_lora(path, lora, arch, adapter.name)
+            write_gguf_lora(path, lora, adapter.name)
             lora_files[adapter.name] = path
         load_check = prove_loads([files[q.name] for q in quants], list(lora_files.values()))
         if not load_check.startswith("loaded"):

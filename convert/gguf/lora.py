@@ -22,7 +22,8 @@ from ..experts import expert_tensor, stack_expert_loras
 from ..merge import WeightedAdapter, plan_merge
 from ..split_linears import split_lora_modules
 from . import linear_attention
-from .model import gguf_graph, permute_qk, qk_heads, tensor_name_map
+from .model import gguf_graph, permute_qk, qk_heads
+from .tensor_names import tensor_name_map
 
 MERGE_HINT = "use --adapters merge"
 
@@ -30,7 +31,7 @@ MERGE_HINT = "use --adapters merge"
 @dataclass
 class GGUFLora:
     alpha: float
-    gguf_name: str  # llama.cpp's architecture, the base GGUF's
+    graph_name: str  # llama.cpp's architecture (general.architecture), the base GGUF's
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # GGUF name -> tensor (torch shape)
     folded: list[str] = field(default_factory=list)  # modules whose scale was folded into lora_b
 
@@ -68,15 +69,15 @@ def build_gguf_lora(adapter: Adapter, base: Checkpoint, arch: ArchSpec) -> GGUFL
     if problems:
         raise UserError(f"adapter {adapter.name}: " + "; ".join(problems), "")
     cfg = base.config
-    gguf_name, garch, _ = gguf_graph(arch, cfg)  # refuses an architecture without a GGUF table entry
-    tmap = tensor_name_map(gguf_name, int(cfg["num_hidden_layers"]))
+    graph_name, garch, _ = gguf_graph(arch, cfg)  # refuses an architecture without a GGUF table entry
+    tmap = tensor_name_map(graph_name, int(cfg["num_hidden_layers"]))
     ranks = {m.rank for m in adapter.modules.values()}
     acfg = adapter.config
     uniform = not (acfg.get("rank_pattern") or acfg.get("alpha_pattern")) and len(ranks) == 1
     alpha = float(acfg["lora_alpha"])
     if uniform and acfg.get("use_rslora"):
         alpha = alpha * math.sqrt(next(iter(ranks)))
-    lora = GGUFLora(alpha, gguf_name)
+    lora = GGUFLora(alpha, graph_name)
     q_factor = gguf_config_facts(arch.model_type, cfg).q_proj_factor
     experts: dict[str, dict[int, LoraModule]] = {}  # stacked GGUF tensor -> expert -> its LoRA
     expert_key = expert_tensor(arch)
@@ -130,10 +131,10 @@ def _stack_experts(lora: GGUFLora, gname: str, mods: dict[int, LoraModule], n_ex
         lora.folded.append(gname)
 
 
-def write_gguf_lora(out: Path, lora: GGUFLora, arch: ArchSpec, name: str) -> None:
+def write_gguf_lora(out: Path, lora: GGUFLora, name: str) -> None:
     import gguf
 
-    writer = gguf.GGUFWriter(str(out), lora.gguf_name)
+    writer = gguf.GGUFWriter(str(out), lora.graph_name)
     writer.add_type("adapter")
     writer.add_name(name)
     writer.add_string("adapter.type", "lora")

@@ -21,6 +21,7 @@ from ..split_linears import tensor_parts
 from . import linear_attention, mamba2
 from .arch_facts import GGUFArch
 from .config_keys import GGUFConfigFacts, gguf_config_facts
+from .tensor_names import tensor_name_map
 from .vocab import GGUFVocab
 
 Progress = Callable[[int, int, str], None]
@@ -146,7 +147,7 @@ class GGUFModelPlan:
     arch: ArchSpec
     garch: GGUFArch
     config: dict  # as the GGUF's architecture reads it (``gguf_graph``)
-    gguf_name: str = ""  # llama.cpp's architecture
+    graph_name: str  # llama.cpp's architecture (general.architecture)
     tensors: list[TensorPlan] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # generated tensors (rope_freqs)
     facts: GGUFConfigFacts = field(default_factory=GGUFConfigFacts)  # the config audit's decisions
@@ -160,10 +161,10 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     expert_type = "MXFP4" if direct_type == "MXFP4_MOE" else direct_type
     direct_type = "Q8_0" if direct_type == "MXFP4_MOE" else direct_type
 
-    gguf_name, garch, graph_config = gguf_graph(arch, config)
+    graph_name, garch, graph_config = gguf_graph(arch, config)
     n_layers = int(config["num_hidden_layers"])
-    tmap = tensor_name_map(gguf_name, n_layers)
-    plan = GGUFModelPlan(arch, garch, graph_config, gguf_name=gguf_name,
+    tmap = tensor_name_map(graph_name, n_layers)
+    plan = GGUFModelPlan(arch, garch, graph_config, graph_name,
                          facts=gguf_config_facts(arch.model_type, config))
     tied = config.get("tie_word_embeddings") is True
     stacks = {name: (f"{block}.experts.{proj}" + ("" if proj.endswith(".bias") else ".weight"), order)
@@ -183,8 +184,9 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
         if (parts := tensor_parts(arch, config, name)) is not None:  # a fused linear llama.cpp keeps apart
             for part_name, part in parts:
                 part_shape = part.shape(tuple(shape))
-                plan.tensors.append(TensorPlan(name, _gguf_name(tmap, part_name, arch), part_shape,
-                                               _matrix_type(direct_type, part_shape), part.rows))
+                qtype = "F32" if len(part_shape) <= 1 else _matrix_type(direct_type, part_shape)
+                plan.tensors.append(TensorPlan(name, _gguf_name(tmap, part_name, arch), part_shape, qtype,
+                                               part.rows))
             continue
         mapped = (linear_attention.source_name(name) if garch.delta_net else
                   mamba2.source_name(name) if garch.mamba2 else name)
@@ -235,15 +237,6 @@ def plan_gguf_model(arch: ArchSpec, config: dict, shapes: list[tuple[str, tuple[
     return plan
 
 
-def tensor_name_map(gguf_arch: str, n_layers: int):
-    """gguf's HF -> GGUF tensor name map of the architecture llama.cpp calls ``gguf_arch`` ("granitehybrid" is
-    ``MODEL_ARCH.GRANITE_HYBRID``)."""
-    import gguf
-
-    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == gguf_arch)
-    return gguf.get_tensor_name_map(model_arch, n_layers)
-
-
 def _matrix_type(direct_type: str, shape: tuple[int, ...]) -> str:
     """A weight matrix's GGUF type: Q8_0 rows need a multiple of 32 columns, else F16 (as llama.cpp's converter)."""
     return "F16" if direct_type == "Q8_0" and shape[-1] % 32 else direct_type
@@ -261,7 +254,7 @@ def write_hparams(writer, plan: GGUFModelPlan, *, n_vocab: int, file_type: int, 
     cfg, garch = plan.config, plan.garch
     writer.add_type("model")
     writer.add_name(name)
-    arch = plan.gguf_name
+    arch = plan.graph_name
     writer.add_uint32(f"{arch}.block_count", int(cfg["num_hidden_layers"]))
     for suffix, keys, kind in garch.hparams:
         value = _cfg(cfg, keys)
@@ -431,7 +424,7 @@ def write_gguf_models(
 
     writers = []
     for out, plan, file_type in targets:
-        writer = _hashing_writer(out, plan.gguf_name)
+        writer = _hashing_writer(out, plan.graph_name)
         n_vocab = next(t.shape[0] for t in plan.tensors if t.gguf_name == "token_embd.weight")
         write_hparams(writer, plan, n_vocab=n_vocab, file_type=file_type, name=name)
         vocab.write(writer)

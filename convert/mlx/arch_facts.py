@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from ..config_audit import KeyRule
 from ..errors import UserError
-from ..layer_kinds import granite_hybrid_layer_kinds, lfm2_layer_kinds
+from ..layer_kinds import granite_hybrid_experts, granite_hybrid_layer_kinds, lfm2_layer_kinds
 
 ConfigFix = Callable[[dict], list[str]]  # fills the config in place; returns what it filled (for the manifest)
 
@@ -173,13 +173,13 @@ def qwen3_5_layers(cfg: dict) -> list[str]:
 def granite_hybrid_config(cfg: dict) -> list[str]:
     """Granite 4: mlx-lm takes only the hub's layer names ("mamba", "attention"; transformers 5 saves
     "linear_attention", "full_attention"), applies RoPE where ``position_embedding_type`` is missing and clamps the
-    step size to (0.001, 100) where ``time_step_limit`` is (transformers: neither), and sizes its dense MLP (the shared
-    MLP of a model without experts) by ``intermediate_size``: each written as transformers computes."""
+    step size to (0.001, 100) where ``time_step_limit`` is missing (transformers: neither), and sizes its dense MLP
+    (the shared MLP of a model without experts) by ``intermediate_size``: each written as transformers computes."""
     filled = []
     kinds = granite_hybrid_layer_kinds(cfg)
     fixes = {"layer_types": kinds, "position_embedding_type": cfg.get("position_embedding_type") or "nope",
              "time_step_limit": cfg.get("time_step_limit") or [0.0, {"__float__": "Infinity"}]}
-    if not cfg.get("num_local_experts"):
+    if not granite_hybrid_experts(cfg):
         fixes["intermediate_size"] = cfg["shared_intermediate_size"]
     for key, value in fixes.items():
         if cfg.get(key) != value:

@@ -100,7 +100,9 @@ class _Layout:
             if (parts := tensor_parts(plan.base.arch, plan.base.config, spec.name)) is not None:
                 self.parts[spec.name] = parts  # a fused linear mlx-lm keeps apart
                 for part_name, part in parts:
-                    self._add(part_name.removesuffix(".weight"), part.shape(spec.shape), spec.dtype)
+                    weight = part_name.endswith(".weight")
+                    self._add(part_name.removesuffix(".weight") if weight else part_name, part.shape(spec.shape),
+                              spec.dtype, weight=weight)
                 continue
             self._add(spec.name.removesuffix(".weight") if spec.name.endswith(".weight") else spec.name,
                       spec.shape, spec.dtype, weight=spec.name.endswith(".weight"))

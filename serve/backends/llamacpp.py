@@ -118,7 +118,7 @@ class LlamaCppBackend(InProcessBackend):
                 lora = build_gguf_lora(adapter_for(load_adapter(adapter_dir), full, ck, "gguf"), ck, arch)
             except UserError as e:
                 raise PoolError(e.message, e.hint, status=422) from e
-            write_once(out, lambda tmp: write_gguf_lora(tmp, lora, arch, adapter_dir.name))
+            write_once(out, lambda tmp: write_gguf_lora(tmp, lora, adapter_dir.name))
         return out
 
     # -- requests ------------------------------------------------------------------------------------

@@ -188,12 +188,15 @@ def _describe_hf(path: Path, fmt: str | None = None) -> ArtifactInfo:
 def _gguf_lora_shapes(reader, garch: str, n_layers: int
                       ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
     """vLLM LoRA module shapes through gguf's HF -> GGUF tensor name map (GGUF shapes are [in, out])."""
-    from tuneport.convert.gguf.model import tensor_name_map
+    from tuneport.convert.gguf.tensor_names import tensor_name_map
 
     arch = next((a for a in ARCHS.values() if a.gguf_arch == garch), None)
     if arch is None:
         return {}, {}
-    tmap = tensor_name_map(garch, max(n_layers, 1))
+    try:
+        tmap = tensor_name_map(garch, max(n_layers, 1))
+    except UserError:  # an architecture the installed gguf package does not name
+        return {}, {}
     shapes = {t.name.removesuffix(".weight"): t.shape for t in reader.tensors}
     shapes = {k: v for k, v in shapes.items() if len(v) == 2}
 
