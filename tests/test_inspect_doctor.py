@@ -190,6 +190,7 @@ def test_doctor_json(cli):
     assert lc["backend"] == "CPU" and lc["gpu_offload"] is False and lc["default_gpu_layers"] == 0
 
 
+@pytest.mark.slow  # 19-21 s here: over the default run's 20 s per test
 def test_doctor_mlx(cli):
     """mlx[cpu] is in the test environment: doctor imports it in a child, quantizes, and names the device."""
     import importlib.metadata as md

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tuneport.toolkit.tiny import make_adapter, make_base
 
 
+@pytest.mark.slow  # the default run's budget (4 minutes on 2 cores): runs in the full suite (make test)
 def test_sigkill_mid_merge_leaves_nothing(tmp_path):
     base = make_base("llama", tmp_path / "base", max_shard_size="16MB",
                      dims=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,

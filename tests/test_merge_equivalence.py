@@ -7,6 +7,7 @@ from importlib import metadata as _metadata
 
 import pytest
 import torch
+from conftest import ARCHS
 from packaging import version as _version
 
 import tuneport
@@ -102,7 +103,11 @@ RENAMED_ONLY = dict.fromkeys(("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"),
 
 
 def _variant_cases() -> list:
+    """Every (architecture, variant); the default run keeps the three base architectures' (conftest.ARCHS: every
+    variant) and leaves the rest of the matrix to the full run (``-m "slow or not slow"``, as ``make test``), where
+    test_every_architecture_merges_like_peft still covers each architecture by default (the default-run budget)."""
     return [pytest.param(a, v, marks=pytest.mark.skip(reason=UNBUILDABLE[a, v])) if (a, v) in UNBUILDABLE
+            else pytest.param(a, v, marks=pytest.mark.slow) if a not in ARCHS
             else (a, v) for a in supported("merge") if a in TINY_ARCHS for v in VARIANTS
             if v in RENAMED_ONLY.get(a, VARIANTS)]
 

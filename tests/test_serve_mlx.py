@@ -78,6 +78,7 @@ def reference(zoo, mlx_base, tmp_path_factory) -> dict:
     return want
 
 
+@pytest.mark.slow  # the default run's budget (4 minutes on 2 cores): runs in the full suite (make test)
 def test_mixed_adapters_at_concurrency_8_match_mlx_lm_alone(zoo, reference):
     """100 greedy requests (base + 4 adapters, DoRA included) at concurrency 8 through the gateway: every answer
     equals mlx-lm's with only that adapter; adapters share decode steps and the base is never reloaded."""
@@ -302,6 +303,7 @@ def test_cancelled_streams_leave_the_batch(zoo):
         assert ask(c, server.backend.name, PROMPTS[0], 4)[0] == 200
 
 
+@pytest.mark.slow  # the default run's budget (4 minutes on 2 cores): runs in the full suite (make test)
 def test_cli_serves_mlx_and_plans_it(zoo, tmp_path, cli):
     code, out, err = cli("serve", "--engine", "mlx", "--base", zoo.base("llama"), "--adapter",
                          f"a={zoo.adapter('llama', 'plain')}", "--n-ctx", "256", "--concurrency", "4", "--dry-run",
