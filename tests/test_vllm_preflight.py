@@ -61,6 +61,23 @@ def test_vllm_is_given_what_it_reads_to_compute_as_transformers():
     assert "--hf-overrides" not in VllmLaunch("m", "m", 16, 1, 1).args()
 
 
+def assert_vllm_refuses_patched(base_dir, patch: dict, why: str, tmp_path, cli) -> None:
+    """``base_dir`` (linked) with ``patch`` in its config.json is refused for --target vllm: exit 2, ``why`` and the
+    targets that read it named, nothing written."""
+    import json
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in base_dir.iterdir():
+        (base / f.name).symlink_to(f)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").unlink()
+    (base / "config.json").write_text(json.dumps({**cfg, **patch}))
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", out)
+    assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err
+
+
 @pytest.mark.parametrize(("patch", "why"), [
     ({"rms_norm_eps": 1e-6}, "RMSNorm eps 1e-5 whatever config.json says"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding window on the even layers"),
@@ -69,18 +86,7 @@ def test_vllm_is_given_what_it_reads_to_compute_as_transformers():
 def test_what_vllm_hard_codes_for_gpt_oss_is_refused(zoo, tmp_path, cli, patch, why):
     """vLLM's GptOssForCausalLM reads neither rms_norm_eps, layer_types nor the SwiGLU clamp from config.json: a
     model that sets them otherwise than vLLM's constants is refused for --target vllm (exit 2, nothing written)."""
-    import json
-
-    base = tmp_path / "base"
-    base.mkdir()
-    for f in zoo.base("gpt_oss").iterdir():
-        (base / f.name).symlink_to(f)
-    cfg = json.loads((base / "config.json").read_text())
-    (base / "config.json").unlink()
-    (base / "config.json").write_text(json.dumps({**cfg, **patch}))
-    out = tmp_path / "out"
-    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", out)
-    assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err
+    assert_vllm_refuses_patched(zoo.base("gpt_oss"), patch, why, tmp_path, cli)
 
 
 @pytest.mark.parametrize(("patch", "why"), [
@@ -91,18 +97,7 @@ def test_what_vllm_hard_codes_for_granite_4_is_refused(zoo, tmp_path, cli, patch
     """vLLM's GraniteMoeHybridForCausalLM never clamps the step size and normalizes per group: a Granite 4 that clamps
     (time_step_limit) or has several groups is refused for --target vllm (exit 2, nothing written); the released
     configs (no clamp, one group) export (tests/test_vllm_export.py serves them)."""
-    import json
-
-    base = tmp_path / "base"
-    base.mkdir()
-    for f in zoo.base("granitemoehybrid").iterdir():
-        (base / f.name).symlink_to(f)
-    cfg = json.loads((base / "config.json").read_text())
-    (base / "config.json").unlink()
-    (base / "config.json").write_text(json.dumps({**cfg, **patch}))
-    out = tmp_path / "out"
-    code, _, err = cli("export", "--base", base, "--target", "vllm", "--adapters", "merge", "--out", out)
-    assert code == 2 and why in err and "--target gguf / mlx" in err and not out.exists(), err
+    assert_vllm_refuses_patched(zoo.base("granitemoehybrid"), patch, why, tmp_path, cli)
 
 
 def test_llama4_temperature_reaches_vllm_through_generation_config(zoo, tmp_path, cli):
